@@ -1,0 +1,100 @@
+"""The Engine protocol and the KV cache it writes into.
+
+An engine runs one compiled model. The speculation loop owns one KV cache per
+model; the engine only writes K/V for the positions it computes and advances
+``length``. Rollback (``rewind``) is the loop's job and is a length change:
+slots past ``length`` are simply overwritten by the next forward, as in gpt-fast.
+
+Cache layout is position-major, ``[max_context, n_kv_heads, head_dim]`` per layer
+and per K/V, so the committed prefix ``[:length]`` is one contiguous block: it is
+handed to ONNX Runtime without a copy, and new K/V land in place right after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import ContextOverflowError, InvalidParameterError
+
+PROVIDERS = ("cpu", "cuda", "tensorrt")
+GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How one model's session is created."""
+
+    provider: str = "cpu"  # one of PROVIDERS; an unavailable one raises, never falls back
+    intra_op_threads: int = 0  # 0 = ONNX Runtime's default (one per physical core)
+    inter_op_threads: int = 1  # decoder graphs are a chain: parallel branches buy nothing
+    graph_optimization: str = "all"  # one of GRAPH_OPT_LEVELS
+    device_id: int = 0
+    use_io_binding: bool = True  # bind cache slices in place instead of copying outputs
+    optimized_model_path: str | None = None  # where ORT may save the optimized graph
+    # Each ORT run spins its worker threads afterwards to catch the next call; with two
+    # sessions on a 2-core box that spinning steals the other session's cores.
+    allow_spinning: bool = True
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise InvalidParameterError(f"provider must be one of {', '.join(PROVIDERS)}; got {self.provider!r}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise InvalidParameterError("thread counts must be >= 0 (0 = ONNX Runtime's default)")
+        if self.graph_optimization not in GRAPH_OPT_LEVELS:
+            raise InvalidParameterError(f"graph_optimization must be one of {', '.join(GRAPH_OPT_LEVELS)}; "
+                                        f"got {self.graph_optimization!r}")
+
+
+class KVCache:
+    """Preallocated per-layer K/V buffers with a committed ``length``.
+
+    ``keys[i]`` and ``values[i]``: ndarray ``[capacity, n_kv_heads, head_dim]``
+    (dtype float32 or float16). Allocated once and reused across generations.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: np.dtype = np.float32) -> None:
+        shape = (capacity, n_kv_heads, head_dim)
+        self.keys = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.values = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rewind(self, n: int) -> None:
+        """Drop the last ``n`` positions (rejected draft tokens). The only way a cache shrinks."""
+        if not 0 <= n <= self.length:
+            raise InvalidParameterError(f"cannot rewind {n} positions from a cache of length {self.length}")
+        self.length -= n
+
+    def reserve(self, n: int) -> None:
+        """Check that ``n`` more positions fit; raise ContextOverflowError otherwise."""
+        if self.length + n > self.capacity:
+            raise ContextOverflowError(
+                f"{self.length} cached + {n} new positions exceed max_context {self.capacity}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+
+class Engine(Protocol):
+    """One compiled decoder.
+
+    ``forward(input_ids, kv, num_logits)``: ``input_ids`` int64 ``[n]`` are the
+    tokens at positions ``kv.length .. kv.length + n - 1``. The engine writes
+    their K/V into ``kv`` at those positions, advances ``kv.length`` by n, and
+    returns float32 logits ``[num_logits, vocab]`` for the last ``num_logits`` of them.
+    """
+
+    vocab_size: int
+    max_context: int
+
+    def new_cache(self) -> KVCache: ...
+
+    def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray: ...

@@ -1,0 +1,149 @@
+"""ONNX Runtime engine: CPU, CUDA or TensorRT execution provider.
+
+On CPU the KV prefix and the new-K/V outputs are bound by pointer through IO
+binding: ORT reads ``cache[:length]`` in place and writes the new tokens' K/V
+straight into ``cache[length:length+n]``, so no cache bytes are copied in Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, ModelLoadError
+from ..manifest import ModelEntry
+from .base import EngineOptions, KVCache
+
+_ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                 "tensorrt": "TensorrtExecutionProvider"}
+_OPT_LEVEL = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+              "all": "ORT_ENABLE_ALL"}
+
+
+def available_providers() -> list[str]:
+    """specedge provider names whose ORT execution provider this install has."""
+    import onnxruntime as ort
+
+    have = set(ort.get_available_providers())
+    return [name for name, ep in _ORT_PROVIDER.items() if ep in have]
+
+
+def check_provider(provider: str) -> None:
+    """Raise BackendUnavailableError instead of letting ORT fall back to CPU silently."""
+    have = available_providers()
+    if provider not in have:
+        hint = " (install onnxruntime-gpu instead of onnxruntime: `pip install specedge[gpu]`)" \
+            if provider != "cpu" else ""
+        raise BackendUnavailableError(f"execution provider {provider!r} is not available in this onnxruntime "
+                                      f"install; available: {', '.join(have)}{hint}")
+
+
+class OrtEngine:
+    """Runs one bundle model through an ``onnxruntime.InferenceSession``."""
+
+    def __init__(self, entry: ModelEntry, graph_path: Path, options: EngineOptions = EngineOptions(),
+                 provider_options: dict | None = None) -> None:
+        import onnxruntime as ort
+
+        check_provider(options.provider)
+        self.entry = entry
+        self.options = options
+        self.vocab_size = entry.vocab_size
+        self.max_context = entry.max_context
+        self._kv_dtype = np.dtype(entry.kv_dtype)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVEL[options.graph_optimization])
+        so.intra_op_num_threads = options.intra_op_threads
+        so.inter_op_num_threads = options.inter_op_threads
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3  # ORT's warnings about unused initializers are noise to users
+        if not options.allow_spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if options.optimized_model_path:
+            so.optimized_model_filepath = options.optimized_model_path
+        providers: list = [(_ORT_PROVIDER[options.provider], provider_options or {})]
+        if options.provider != "cpu":
+            providers.append("CPUExecutionProvider")  # for the few shape ops GPU EPs leave to CPU
+        try:
+            self.session = ort.InferenceSession(str(graph_path), so, providers=providers)
+        except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
+            raise ModelLoadError(f"ONNX Runtime could not load {graph_path.name} ({entry.source or 'model'}): "
+                                 f"{str(exc).splitlines()[0][:300]} — the file is truncated, corrupt or not a "
+                                 "specedge graph; re-export the bundle") from None
+        if _ORT_PROVIDER[options.provider] not in self.session.get_providers():
+            raise BackendUnavailableError(f"ONNX Runtime did not enable {options.provider!r} for this model")
+        self._check_io()
+        io = entry.io
+        self._past_names = [(io.past_key % i, io.past_value % i) for i in range(entry.n_layers)]
+        self._new_names = [(io.new_key % i, io.new_value % i) for i in range(entry.n_layers)]
+        self._device = "cpu" if options.provider == "cpu" else "cuda"
+        # Logits buffer for the largest call we make per step; prefill asks for 1 row.
+        self._logits = np.empty((1, 1, entry.vocab_size), np.float32)
+
+    def _check_io(self) -> None:
+        io = self.entry.io
+        have_in = {i.name for i in self.session.get_inputs()}
+        have_out = {o.name for o in self.session.get_outputs()}
+        need_in = {io.input_ids, io.positions, io.num_logits}
+        need_out = {io.logits}
+        for i in range(self.entry.n_layers):
+            need_in |= {io.past_key % i, io.past_value % i}
+            need_out |= {io.new_key % i, io.new_value % i}
+        missing = sorted(need_in - have_in) + sorted(need_out - have_out)
+        if missing:
+            raise ModelLoadError(f"graph {self.entry.graph} lacks tensors the manifest names: {missing[:6]}; "
+                                 "the manifest does not describe this graph")
+
+    def new_cache(self) -> KVCache:
+        e = self.entry
+        return KVCache(e.n_layers, e.n_kv_heads, e.head_dim, e.max_context, self._kv_dtype)
+
+    def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray:
+        """Run n new tokens; see :class:`specedge.engines.base.Engine`. Returns a view valid until the next call."""
+        n = int(input_ids.shape[0])
+        kv.reserve(n)
+        start = kv.length
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, n)
+        positions = np.arange(start, start + n, dtype=np.int64).reshape(1, n)
+        keep = np.array([num_logits], np.int64)
+        if self.options.use_io_binding and self._device == "cpu":
+            logits = self._run_bound(ids, positions, keep, kv, start, n, num_logits)
+        else:
+            logits = self._run_plain(ids, positions, keep, kv, start, n)
+        kv.length = start + n
+        return logits[0]
+
+    def _run_bound(self, ids, positions, keep, kv: KVCache, start: int, n: int, num_logits: int) -> np.ndarray:
+        io = self.entry.io
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(io.input_ids, ids)
+        binding.bind_cpu_input(io.positions, positions)
+        binding.bind_cpu_input(io.num_logits, keep)
+        e = self.entry
+        row = e.n_kv_heads * e.head_dim * self._kv_dtype.itemsize  # bytes per cached position
+        past_shape = [start, e.n_kv_heads, e.head_dim]
+        new_shape = [n, e.n_kv_heads, e.head_dim]
+        for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
+            for past_name, new_name, buf in ((pk, nk, kv.keys[layer]), (pv, nv, kv.values[layer])):
+                base = buf.ctypes.data
+                binding.bind_input(past_name, "cpu", 0, self._kv_dtype.type, past_shape, base)
+                binding.bind_output(new_name, "cpu", 0, self._kv_dtype.type, new_shape, base + start * row)
+        if self._logits.shape[1] != num_logits:
+            self._logits = np.empty((1, num_logits, e.vocab_size), np.float32)
+        binding.bind_output(io.logits, "cpu", 0, np.float32, list(self._logits.shape), self._logits.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return self._logits
+
+    def _run_plain(self, ids, positions, keep, kv: KVCache, start: int, n: int) -> np.ndarray:
+        io = self.entry.io
+        feed = {io.input_ids: ids, io.positions: positions, io.num_logits: keep}
+        for layer, (pk, pv) in enumerate(self._past_names):
+            feed[pk] = kv.keys[layer][:start]
+            feed[pv] = kv.values[layer][:start]
+        names = [io.logits] + [name for pair in self._new_names for name in pair]
+        outs = self.session.run(names, feed)
+        for layer in range(self.entry.n_layers):
+            kv.keys[layer][start:start + n] = outs[1 + 2 * layer]
+            kv.values[layer][start:start + n] = outs[2 + 2 * layer]
+        return outs[0]

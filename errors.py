@@ -1,0 +1,60 @@
+"""Typed exceptions raised at specedge's boundaries.
+
+Every error a user can trigger with bad input derives from :class:`SpecedgeError`,
+so an embedding application can catch one type. Messages name the offending
+field, path or value and say what is allowed.
+"""
+
+from __future__ import annotations
+
+
+class SpecedgeError(Exception):
+    """Base class for every error specedge raises on purpose."""
+
+
+class InvalidParameterError(SpecedgeError, ValueError):
+    """A generation, export or engine parameter is outside its allowed range."""
+
+
+class BundleError(SpecedgeError):
+    """A bundle folder is missing, incomplete or inconsistent."""
+
+
+class ManifestError(BundleError):
+    """manifest.json is unreadable, has an unknown version, or a field is missing or ill-typed."""
+
+
+class UnsafePathError(ManifestError):
+    """A manifest path resolves outside the bundle (``..``, absolute path or symlink)."""
+
+
+class ChecksumError(BundleError):
+    """A file's sha256 or size differs from what the manifest or catalog records."""
+
+
+class ModelLoadError(BundleError):
+    """An ONNX file is truncated or corrupt, or its IO does not match the manifest."""
+
+
+class VocabMismatchError(BundleError):
+    """Draft and target do not share a vocabulary (size or tokenizer hash)."""
+
+
+class BackendUnavailableError(SpecedgeError):
+    """The requested engine backend or execution provider is not available here."""
+
+
+class ContextOverflowError(SpecedgeError, ValueError):
+    """The prompt (plus the tokens it must generate) does not fit in max_context."""
+
+
+class ExportError(SpecedgeError):
+    """Export could not read the source model or write the bundle."""
+
+
+class ExportValidationError(ExportError):
+    """ONNX Runtime's outputs differ from PyTorch's beyond the tolerance."""
+
+
+class FetchError(SpecedgeError):
+    """A catalog model could not be downloaded, assembled or verified."""

@@ -1,0 +1,232 @@
+"""``specedge export``: source checkpoints in, a validated bundle folder out.
+
+The bundle is assembled in a temporary sibling folder and renamed into place
+only after every graph has been validated, so an interrupted or failed export
+never leaves a half bundle behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..errors import ExportError, InvalidParameterError, VocabMismatchError
+from ..manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
+                        write_manifest)
+
+SELF_DRAFTS = ("self-int4", "self-int8")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    target: str  # HF folder, .gguf file or catalog name
+    out: Path
+    draft: str | None = None  # a second source, "self-int4"/"self-int8", or None
+    precision: str = "fp32"  # target precision
+    draft_precision: str | None = None  # None: same as the target (a self-draft is its own precision)
+    max_context: int = 2048
+    max_draft_tokens: int = 8
+    block_size: int = 32
+    accuracy_level: int = 4
+    trust_pickle: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
+            if value is not None and value not in ("fp32", "fp16", "int4", "int8"):
+                raise InvalidParameterError(f"{name} must be one of fp32, fp16, int4, int8; got {value!r}")
+        if not 16 <= self.max_context <= 1 << 20:
+            raise InvalidParameterError(f"max_context must be in [16, 1048576]; got {self.max_context}")
+        if not 1 <= self.max_draft_tokens <= 64:
+            raise InvalidParameterError(f"max_draft_tokens must be in [1, 64]; got {self.max_draft_tokens}")
+
+
+@dataclass
+class _Progress:
+    quiet: bool
+    total: int
+    step: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, msg: str) -> None:
+        self.step += 1
+        if not self.quiet:
+            print(f"[{self.step}/{self.total}] {msg}  (t={time.perf_counter() - self.t0:.0f}s)", file=sys.stderr,
+                  flush=True)
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: str, max_context: int,
+           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str) -> ModelEntry:
+    return ModelEntry(graph=graph, architecture=spec.architecture, source=source, precision=precision,
+                      n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+                      head_dim=spec.head_dim, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                      max_context=max_context, eos_token_ids=eos, kv_dtype=kv_dtype, data_files=tuple(data_files),
+                      tokenizer_sha256=tokenizer_sha256)
+
+
+class _ModelExporter:
+    """Exports one loaded model into ``root/<role>/`` at one or more precisions."""
+
+    def __init__(self, root: Path, loaded, config: ExportConfig, tokenizer_sha256: str) -> None:
+        from .weights import extract
+
+        self.root = root
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.spec, self.weights = extract(loaded.model)
+        if self.spec.architecture == "gpt2" and config.max_context > self.spec.max_positions:
+            raise InvalidParameterError(f"max_context {config.max_context} exceeds this GPT-2 model's "
+                                        f"{self.spec.max_positions} learned positions")
+        self.fp32: tuple[ModelEntry, Path] | None = None
+        self.reports: dict = {}
+
+    def _write(self, role: str, precision: str, source: str) -> ModelEntry:
+        from .graph import build_decoder
+        from .quantize import QuantConfig, quantize_graph
+        from .validate import FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, compare_graphs, validate_graph
+
+        folder = self.root / role
+        folder.mkdir(exist_ok=True)
+        graph = folder / "model.onnx"
+        cfg = self.config
+        if precision in ("fp32", "fp16"):
+            dtype = np.float32 if precision == "fp32" else np.float16
+            files = build_decoder(self.spec, self.weights, graph, dtype=dtype)
+            entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16")
+            tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
+            report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol)
+            self.reports[f"{role}:{precision}"] = report.as_dict()
+            if precision == "fp32" and self.fp32 is None:
+                self.fp32 = (entry, graph)
+            return entry
+        # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
+        # layer, often the biggest matrix, is quantized too).
+        scratch = self.root / f".{role}-fp32-src"
+        scratch.mkdir(exist_ok=True)
+        src_graph = scratch / "model.onnx"
+        src_files = build_decoder(self.spec, self.weights, src_graph, untie_lm_head=True)
+        src_entry = self._entry(role, src_files, source, "fp32", "float32")
+        self.reports[f"{role}:fp32-untied"] = validate_graph(
+            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE).as_dict()
+        quant = QuantConfig(bits=4 if precision == "int4" else 8, block_size=cfg.block_size,
+                            accuracy_level=cfg.accuracy_level)
+        files = quantize_graph(src_graph, graph, quant)
+        entry = self._entry(role, files, source, precision, "float32")
+        self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
+        shutil.rmtree(scratch)
+        return entry
+
+    def _entry(self, role: str, files: list[Path], source: str, precision: str, kv_dtype: str) -> ModelEntry:
+        rel = [str(p.relative_to(self.root)) for p in files]
+        return _entry(self.spec, graph=rel[0], data_files=rel[1:], source=source, precision=precision,
+                      max_context=self.config.max_context, eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype,
+                      tokenizer_sha256=self.tokenizer_sha256)
+
+
+def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:
+    tokenizer.save_pretrained(str(root))
+    for extra in root.iterdir():  # keep the bundle to what the runtime reads
+        if extra.is_file() and extra.name not in _TOKENIZER_FILES:
+            extra.unlink()
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # multiple named templates: the runtime uses the default one
+        template = template.get("default")
+    if template and not (root / "chat_template.jinja").exists():
+        (root / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tok_json = root / "tokenizer.json"
+    if not tok_json.exists():
+        raise ExportError("the source has no fast tokenizer (tokenizer.json); specedge's runtime needs one")
+    add_bos = bool(getattr(tokenizer, "add_bos_token", False))
+    return TokenizerEntry(
+        file="tokenizer.json",
+        config="tokenizer_config.json" if (root / "tokenizer_config.json").exists() else None,
+        chat_template="chat_template.jinja" if (root / "chat_template.jinja").exists() else None,
+        sha256=_sha256_bytes(tok_json.read_bytes()), bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token, add_bos_token=add_bos)
+
+
+def export_bundle(config: ExportConfig) -> Manifest:
+    """Run the whole export; return the manifest of the bundle written to ``config.out``."""
+    from .loader import load_source
+
+    out = Path(config.out)
+    if out.exists() and not config.overwrite:
+        raise ExportError(f"{out} already exists; pass --overwrite to replace it")
+    self_draft = config.draft in SELF_DRAFTS
+    stages = 4 + (0 if config.draft is None else (1 if self_draft else 2))
+    progress = _Progress(config.quiet, stages)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    started = time.perf_counter()
+    try:
+        progress(f"loading target {config.target}")
+        target_loaded = load_source(config.target, trust_pickle=config.trust_pickle, quiet=config.quiet)
+        tokenizer = _save_tokenizer(target_loaded.tokenizer, tmp)
+        target_vocab = target_loaded.tokenizer.get_vocab()
+        progress(f"building + validating target graph ({config.precision})")
+        target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256)
+        target = target_exp._write("target", config.precision, target_loaded.source)
+        reports = dict(target_exp.reports)
+        draft = None
+        if self_draft:
+            precision = config.draft.removeprefix("self-")
+            progress(f"building self-draft ({precision} copy of the target)")
+            draft = target_exp._write("draft", precision, f"self-{precision} of {target_loaded.source}")
+            reports.update(target_exp.reports)
+        del target_exp, target_loaded
+        gc.collect()
+        if config.draft is not None and not self_draft:
+            progress(f"loading draft {config.draft}")
+            draft_loaded = load_source(config.draft, trust_pickle=config.trust_pickle, quiet=config.quiet)
+            if draft_loaded.tokenizer.get_vocab() != target_vocab:
+                raise VocabMismatchError(
+                    f"draft {config.draft} has a different vocabulary from target {config.target} "
+                    f"({len(draft_loaded.tokenizer.get_vocab())} vs {len(target_vocab)} tokens); a draft must "
+                    "share the target's tokenizer")
+            progress(f"building + validating draft graph ({config.draft_precision or config.precision})")
+            draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256)
+            draft = draft_exp._write("draft", config.draft_precision or config.precision, draft_loaded.source)
+            reports.update(draft_exp.reports)
+            del draft_exp, draft_loaded
+            gc.collect()
+        progress("writing manifest")
+        files = {}
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                files[str(path.relative_to(tmp))] = file_record(path)
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise VocabMismatchError(f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}")
+        manifest = Manifest(
+            target=target, draft=draft, tokenizer=tokenizer,
+            speculation=SpeculationDefaults(drafter="model" if draft else "ngram",
+                                            draft_tokens=min(4, config.max_draft_tokens),
+                                            max_draft_tokens=config.max_draft_tokens),
+            files=files, created_by=f"specedge {__version__}",
+            extra={"validation": reports, "export_seconds": round(time.perf_counter() - started, 1)},
+        )
+        write_manifest(tmp, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        progress(f"bundle written to {out} ({sum(f['size'] for f in files.values()) / 1e6:.0f} MB)")
+        return manifest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

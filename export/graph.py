@@ -1,0 +1,313 @@
+"""Build one ONNX decoder graph with a dynamic new-token axis, straight from weights.
+
+Why a direct builder rather than ``torch.onnx.export`` or transformers' exporter:
+the runtime needs a precise, stable IO contract (position-major KV cache whose
+prefix is one contiguous block, K/V of the *new* tokens as outputs so the engine
+writes them in place, logits only for the last ``num_logits`` positions so a
+512-token prefill does not materialise 512 x vocab floats). Writing the graph
+from the weights gives exactly that contract for every architecture we support,
+builds a 1.5B graph in seconds with no tracing, streams weights to external data
+without holding a second copy, and every graph is still checked against PyTorch
+(export/validate.py) before a bundle is written.
+
+The same graph serves prefill (n = prompt length), a decode step (n = 1) and a
+speculative verify (n = k + 1).
+
+IO (batch is always 1; n new tokens, P cached positions, T = P + n)::
+
+    input_ids            int64 [1, n]
+    position_ids         int64 [1, n]      must be P .. P+n-1
+    num_logits_to_keep   int64 [1]         logits for the last m positions
+    past_key.%d          kv    [P, n_kv_heads, head_dim]
+    past_value.%d        kv    [P, n_kv_heads, head_dim]
+    ->
+    logits               float32 [1, m, vocab]
+    new_key.%d           kv    [n, n_kv_heads, head_dim]   (rotary already applied)
+    new_value.%d         kv    [n, n_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+OPSET = 17
+_ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+# Tensors above this many bytes go to the external data file; tiny ones (norm weights
+# are a few KB) stay inline so the graph is readable in Netron.
+_EXTERNAL_THRESHOLD = 1024
+# ORT memory-maps external data; 64-byte alignment keeps every tensor SIMD-aligned.
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Architecture facts the graph needs. Weights are given separately."""
+
+    architecture: str  # "llama" (llama, qwen2, mistral, smollm) or "gpt2"
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    norm_eps: float
+    attn_scale: float
+    inv_freq: tuple[float, ...] = ()  # rotary inverse frequencies [head_dim/2]; empty for gpt2
+    rope_scaling: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
+    tied_embeddings: bool = False
+    max_positions: int = 0  # gpt2 learned position table size
+
+
+@dataclass
+class _Builder:
+    """Accumulates nodes and initializers; large tensors stream to one external file."""
+
+    dtype: np.dtype
+    data_path: Path | None
+    nodes: list = field(default_factory=list)
+    inits: list = field(default_factory=list)
+    _counter: int = 0
+    _offset: int = 0
+    _data_file: object = None
+
+    def name(self, base: str) -> str:
+        self._counter += 1
+        return f"{base}_{self._counter}"
+
+    def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
+        outs = [self.name(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(op), domain=domain, **attrs))
+        return outs
+
+    def one(self, op: str, inputs: list[str], **attrs) -> str:
+        return self.node(op, inputs, **attrs)[0]
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        array = np.ascontiguousarray(array)
+        tensor = TensorProto(name=name, data_type=_np_to_onnx(array.dtype), dims=array.shape)
+        raw = array.tobytes()
+        if self.data_path is not None and len(raw) > _EXTERNAL_THRESHOLD:
+            if self._data_file is None:
+                self._data_file = open(self.data_path, "wb")
+            pad = (-self._offset) % _ALIGN
+            self._data_file.write(b"\0" * pad)
+            self._offset += pad
+            self._data_file.write(raw)
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", self.data_path.name), ("offset", str(self._offset)),
+                               ("length", str(len(raw)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            self._offset += len(raw)
+        else:
+            tensor.raw_data = raw
+        self.inits.append(tensor)
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        return self.const(name, np.asarray(array, dtype=self.dtype))
+
+    def scalar(self, name: str, value: float) -> str:
+        return self.const(name, np.array(value, dtype=self.dtype))
+
+    def ints(self, name: str, values: list[int]) -> str:
+        return self.const(name, np.array(values, dtype=np.int64))
+
+    def close(self) -> None:
+        if self._data_file is not None:
+            self._data_file.close()
+            self._data_file = None
+
+
+def _np_to_onnx(dtype: np.dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype in _ONNX_DTYPE:
+        return _ONNX_DTYPE[dtype]
+    return {np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}[dtype]
+
+
+def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: Path, *,
+                  dtype: np.dtype = np.float32, untie_lm_head: bool = False) -> list[Path]:
+    """Write ``out_path`` (.onnx) and its external data; return the files written.
+
+    ``weights`` uses the canonical names of :mod:`specedge.export.weights`
+    (``embed``, ``layers.{i}.q`` with shape [in, out], ...). ``untie_lm_head``
+    writes a separate [hidden, vocab] MatMul weight for tied models, so the
+    weight-only quantizer (which rewrites MatMul nodes) can reach the output layer.
+    """
+    dtype = np.dtype(dtype)
+    data_path = out_path.with_name(out_path.name + ".data")
+    b = _Builder(dtype=dtype, data_path=data_path)
+    try:
+        graph = _decoder_graph(b, spec, weights, untie_lm_head)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="specedge")
+        model.ir_version = 8  # readable by every ORT >= 1.14
+        onnx.save_model(model, str(out_path))
+    finally:
+        b.close()
+    return [out_path] + ([data_path] if data_path.exists() else [])
+
+
+def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool) -> onnx.GraphProto:
+    kv_type = _ONNX_DTYPE[b.dtype]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "new_tokens"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "new_tokens"]),
+        helper.make_tensor_value_info("num_logits_to_keep", TensorProto.INT64, [1]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", s.vocab_size])]
+    for i in range(s.n_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type,
+                                                        ["past_len", s.n_kv_heads, s.head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type,
+                                                         ["new_tokens", s.n_kv_heads, s.head_dim]))
+
+    # --- shared per-step tensors -------------------------------------------------
+    ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
+    pos = b.one("Reshape", ["position_ids", b.ints("shape_flat2", [-1])])  # [n]
+    embed = b.weight("embed", w["embed"])
+    x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
+    if s.architecture == "gpt2":
+        x = b.one("Add", [x, b.one("Gather", [b.weight("pos_embed", w["pos_embed"]), pos], axis=0)])
+
+    # Causal mask over the cache: key slot j holds position j, so query at position p
+    # may attend to slots 0..p. Built once per step, shared by every layer.
+    n_new = b.one("Gather", [b.one("Shape", ["input_ids"]), b.ints("one_idx", [1])])  # [1]
+    past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
+    total = b.one("Squeeze", [b.one("Add", [past_len, n_new])])
+    key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
+                              b.const("one_i", np.array(1, np.int64))])  # [T]
+    allowed = b.one("LessOrEqual", [b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])]),
+                                    b.one("Unsqueeze", [pos, b.ints("ax1", [1])])])  # [n, T]
+    mask = b.one("Where", [allowed, b.const("zero_f", np.array(0.0, np.float32)),
+                           b.const("neg_inf", np.array(-np.inf, np.float32))])  # [n, T], fp32
+
+    cos = sin = None
+    if s.architecture != "gpt2":
+        inv_freq = b.const("inv_freq", np.asarray(s.inv_freq, np.float32)[None, :])  # [1, hd/2]
+        freqs = b.one("Mul", [b.one("Unsqueeze", [b.one("Cast", [pos], to=TensorProto.FLOAT), b.ints("ax1b", [1])]),
+                              inv_freq])  # [n, hd/2] computed in fp32 for accuracy at long positions
+        emb = b.one("Concat", [freqs, freqs], axis=-1)  # [n, hd]
+        scale = b.const("rope_scale", np.array(s.rope_scaling, np.float32))
+        cos = b.one("Mul", [b.one("Cos", [emb]), scale])
+        sin = b.one("Mul", [b.one("Sin", [emb]), scale])
+        if b.dtype != np.float32:
+            cos = b.one("Cast", [cos], to=kv_type)
+            sin = b.one("Cast", [sin], to=kv_type)
+        cos = b.one("Unsqueeze", [cos, b.ints("ax1c", [1])])  # [n, 1, hd]
+        sin = b.one("Unsqueeze", [sin, b.ints("ax1d", [1])])
+
+    for i in range(s.n_layers):
+        x = _layer(b, s, w, i, x, mask, cos, sin)
+
+    x = _norm(b, s, x, w["norm"], w.get("norm_bias"), "final")
+    keep = b.one("Neg", ["num_logits_to_keep"])
+    x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]), b.ints("ax0s", [0])])  # [m, hidden]
+    if s.tied_embeddings and not untie_lm_head:
+        # Gemm with transB reads the [vocab, hidden] embedding directly: the bundle holds it once.
+        logits = b.one("Gemm", [x, embed], transB=1)
+    else:
+        lm_head = w["lm_head"] if "lm_head" in w else w["embed"].T
+        logits = b.one("MatMul", [x, b.weight("lm_head", lm_head)])
+    if b.dtype != np.float32:
+        logits = b.one("Cast", [logits], to=TensorProto.FLOAT)
+    b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], ["logits"], name="logits_out"))
+    return helper.make_graph(b.nodes, "specedge_decoder", inputs, outputs, b.inits)
+
+
+def _norm(b: _Builder, s: DecoderSpec, x: str, weight: np.ndarray, bias: np.ndarray | None, tag: str) -> str:
+    if s.architecture == "gpt2":
+        return b.one("LayerNormalization", [x, b.weight(f"{tag}.ln_w", weight), b.weight(f"{tag}.ln_b", bias)],
+                     axis=-1, epsilon=s.norm_eps)
+    # RMSNorm, written so ORT's optimizer fuses it into SimplifiedLayerNormalization.
+    # Computed in fp32 even for fp16 graphs: the mean of squares overflows fp16.
+    xf = b.one("Cast", [x], to=TensorProto.FLOAT) if b.dtype != np.float32 else x
+    var = b.one("ReduceMean", [b.one("Mul", [xf, xf])], axes=[-1], keepdims=1)
+    eps = b.const(b.name("eps"), np.array(s.norm_eps, np.float32))
+    normed = b.one("Div", [xf, b.one("Sqrt", [b.one("Add", [var, eps])])])
+    if b.dtype != np.float32:
+        normed = b.one("Cast", [normed], to=_ONNX_DTYPE[b.dtype])
+    return b.one("Mul", [normed, b.weight(f"{tag}.norm_w", weight)])
+
+
+def _linear(b: _Builder, x: str, w: dict[str, np.ndarray], key: str) -> str:
+    y = b.one("MatMul", [x, b.weight(key, w[key])])
+    if f"{key}_bias" in w:
+        y = b.one("Add", [y, b.weight(f"{key}_bias", w[f"{key}_bias"])])
+    return y
+
+
+def _rotate(b: _Builder, s: DecoderSpec, t: str, cos: str, sin: str) -> str:
+    """HF rotary: t * cos + rotate_half(t) * sin, with rotate_half(t) = [-t2, t1]."""
+    half = s.head_dim // 2
+    t1, t2 = b.node("Split", [t, b.ints(b.name("split"), [half, half])], n_out=2, axis=-1)
+    rotated = b.one("Concat", [b.one("Neg", [t2]), t1], axis=-1)
+    return b.one("Add", [b.one("Mul", [t, cos]), b.one("Mul", [rotated, sin])])
+
+
+def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, mask: str,
+           cos: str | None, sin: str | None) -> str:
+    p = f"layers.{i}"
+    h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
+    group = h // kvh
+    kv_type = _ONNX_DTYPE[b.dtype]
+    normed = _norm(b, s, x, w[f"{p}.attn_norm"], w.get(f"{p}.attn_norm_bias"), f"{p}.attn")
+
+    qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
+    q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
+    q = b.one("Reshape", [q, b.ints(b.name("q_shape"), [-1, h, hd])])  # [n, H, hd]
+    k = b.one("Reshape", [k, b.ints(b.name("k_shape"), [-1, kvh, hd])])  # [n, kvh, hd]
+    v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])])
+    if cos is not None:
+        q = _rotate(b, s, q, cos, sin)
+        k = _rotate(b, s, k, cos, sin)
+    b.nodes.append(helper.make_node("Identity", [k], [f"new_key.{i}"], name=f"new_key_out_{i}"))
+    b.nodes.append(helper.make_node("Identity", [v], [f"new_value.{i}"], name=f"new_value_out_{i}"))
+
+    k_all = b.one("Concat", [f"past_key.{i}", k], axis=0)  # [T, kvh, hd]
+    v_all = b.one("Concat", [f"past_value.{i}", v], axis=0)
+    # GQA without repeating K/V: query head h uses kv head h // group, so view the
+    # queries as [kvh, group, n, hd] and broadcast K/V over the group axis.
+    q = b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, group, hd])])  # [n, kvh, g, hd]
+    q = b.one("Transpose", [q], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
+    q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])
+    k_t = b.one("Unsqueeze", [b.one("Transpose", [k_all], perm=[1, 2, 0]), b.ints(b.name("ax"), [1])])
+    scores = b.one("MatMul", [q, k_t])  # [kvh, g, n, T]
+    if b.dtype != np.float32:
+        # Softmax in fp32: fp16 exp() of large score gaps loses the tail mass.
+        scores = b.one("Cast", [scores], to=TensorProto.FLOAT)
+        probs = b.one("Softmax", [b.one("Add", [scores, mask])], axis=-1)
+        probs = b.one("Cast", [probs], to=kv_type)
+    else:
+        probs = b.one("Softmax", [b.one("Add", [scores, mask])], axis=-1)  # [kvh, g, n, T]
+    v_t = b.one("Unsqueeze", [b.one("Transpose", [v_all], perm=[1, 0, 2]), b.ints(b.name("ax"), [1])])
+    attn = b.one("MatMul", [probs, v_t])  # [kvh, g, n, hd]
+    attn = b.one("Transpose", [attn], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
+    attn = b.one("Reshape", [attn, b.ints(b.name("a_flat"), [0, h * hd])])  # [n, H*hd]
+    x = b.one("Add", [x, _linear(b, attn, w, f"{p}.o")])
+
+    normed = _norm(b, s, x, w[f"{p}.mlp_norm"], w.get(f"{p}.mlp_norm_bias"), f"{p}.mlp")
+    if s.architecture == "gpt2":
+        hidden = _gelu_tanh(b, _linear(b, normed, w, f"{p}.fc"))
+    else:
+        gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
+                                    b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
+        hidden = b.one("Mul", [b.one("Mul", [gate, b.one("Sigmoid", [gate])]), up])  # SiLU(gate) * up
+    return b.one("Add", [x, _linear(b, hidden, w, f"{p}.down")])
+
+
+def _gelu_tanh(b: _Builder, x: str) -> str:
+    """GPT-2's gelu_new: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    cube = b.one("Mul", [b.one("Mul", [x, x]), x])
+    inner = b.one("Mul", [b.one("Add", [x, b.one("Mul", [cube, b.scalar(b.name("c"), 0.044715)])]),
+                          b.scalar(b.name("c"), float(np.sqrt(2.0 / np.pi)))])
+    return b.one("Mul", [b.one("Mul", [x, b.scalar(b.name("half"), 0.5)]),
+                         b.one("Add", [b.one("Tanh", [inner]), b.scalar(b.name("one"), 1.0)])])

@@ -1,0 +1,127 @@
+"""Load a source model for export: a local HF folder (safetensors), a GGUF file, or a catalog name.
+
+Pickle-based checkpoints (.bin, .pt) can execute code when loaded, so they are
+refused unless the user passes ``trust_pickle=True``. ``trust_remote_code`` is
+never set: only architectures transformers ships are loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ExportError
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel (torch, float32, eval)
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    source: str  # human-readable origin
+    eos_token_ids: tuple[int, ...]
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[specedge export] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_source(src: str) -> Path:
+    """A catalog name is fetched (cached); anything else must be an existing path."""
+    from .catalog import CATALOG
+    from .fetch import fetch
+
+    if src in CATALOG:
+        return fetch(src)
+    path = Path(src).expanduser()
+    if not path.exists():
+        raise ExportError(f"source {src!r} is neither an existing path nor a catalog model "
+                          f"({', '.join(CATALOG)})")
+    return path
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
+                  tokenizer.eos_token_id):
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, int) and v not in ids and 0 <= v < model.config.vocab_size:
+                ids.append(v)
+    return tuple(ids)
+
+
+def _converted_cache_dir(gguf: Path) -> Path:
+    from .fetch import cache_dir
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
+    """Dequantize a GGUF file to an HF safetensors folder once (40-130 s on 2 cores), then reuse it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = _converted_cache_dir(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out, f"gguf:{path.name}"
+    _log(f"converting {path.name} from GGUF (dequantizing; cached after this run)", quiet)
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # save_pretrained refuses a GGUF-loaded model while it still carries the quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"converted in {time.perf_counter() - t:.0f} s -> {out}", quiet)
+    return out, f"gguf:{path.name}"
+
+
+def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_source(src)
+    description = str(src)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ExportError(f"{path} is a file but not a .gguf; pass a GGUF file or an HF folder")
+        path, description = load_gguf(path, quiet=quiet)
+    if not (path / "config.json").is_file():
+        raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
+    has_safetensors = any(path.glob("*.safetensors"))
+    pickles = [p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES]
+    if not has_safetensors and pickles and not trust_pickle:
+        raise ExportError(f"{path} holds only pickle checkpoints ({', '.join(pickles[:3])}), which can run code "
+                          "when loaded; convert them to safetensors or pass --trust-pickle if you trust the source")
+    if not has_safetensors and not pickles:
+        raise ExportError(f"{path} has no weights (*.safetensors)")
+    _log(f"loading {description}", quiet)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                     use_safetensors=has_safetensors or not trust_pickle,
+                                                     trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ExportError(f"transformers could not load {path}: {exc}") from None
+    model.eval()
+    return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer))

@@ -1,0 +1,388 @@
+"""The bundle manifest: the one schema export/ writes and the runtime reads.
+
+A bundle is a folder::
+
+    manifest.json
+    tokenizer.json, tokenizer_config.json, chat_template.jinja
+    target/model.onnx (+ model.onnx.data)
+    draft/model.onnx  (+ model.onnx.data)      optional
+
+This module imports neither torch nor onnxruntime. A manifest is untrusted
+data: every field is type-checked, every path must stay inside the bundle, and
+every file's sha256 is checked at load unless the caller opts out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
+
+FORMAT_NAME = "specedge-bundle"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PRECISIONS = ("fp32", "fp16", "int4", "int8")
+KV_DTYPES = ("float32", "float16")
+DRAFTERS = ("none", "model", "ngram", "composite")
+
+# Reading 1 MiB at a time keeps hashing a 1 GB weight file at disk speed without holding it in RAM.
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """Tensor names of one graph. ``%d`` is the layer index.
+
+    Inputs: ``input_ids`` int64 [1, n], ``positions`` int64 [1, n],
+    ``num_logits`` int64 [1] (logits are returned for the last that many
+    positions), ``past_key``/``past_value`` [past_len, n_kv_heads, head_dim].
+    Outputs: ``logits`` float32 [1, num_logits, vocab], ``new_key``/``new_value``
+    [n, n_kv_heads, head_dim] (the K/V of the n new tokens, which the engine writes
+    into the loop-owned cache).
+    """
+
+    input_ids: str = "input_ids"
+    positions: str = "position_ids"
+    num_logits: str = "num_logits_to_keep"
+    logits: str = "logits"
+    past_key: str = "past_key.%d"
+    past_value: str = "past_value.%d"
+    new_key: str = "new_key.%d"
+    new_value: str = "new_value.%d"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One compiled model in the bundle (target or draft)."""
+
+    graph: str  # bundle-relative path of the .onnx file
+    architecture: str  # e.g. "llama", "qwen2", "gpt2"
+    source: str  # where the weights came from (HF folder, GGUF file, "self-int4 of target")
+    precision: str  # one of PRECISIONS
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    kv_dtype: str = "float32"
+    data_files: tuple[str, ...] = ()
+    tokenizer_sha256: str = ""  # sha256 of the source's tokenizer.json, to prove draft and target share it
+    io: ModelIO = field(default_factory=ModelIO)
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    file: str = "tokenizer.json"
+    config: str | None = "tokenizer_config.json"
+    chat_template: str | None = "chat_template.jinja"
+    sha256: str = ""  # of the tokenizer file: draft and target must share it
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculationDefaults:
+    """What a bundle runs when the caller does not say otherwise."""
+
+    drafter: str = "model"  # one of DRAFTERS
+    draft_tokens: int = 4  # k for fixed-k speculation
+    max_draft_tokens: int = 8  # the largest verify is max_draft_tokens + 1 tokens
+    adaptive: bool = True  # let the cost model choose k per step (k=0 included)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    target: ModelEntry
+    tokenizer: TokenizerEntry
+    speculation: SpeculationDefaults
+    files: dict[str, dict[str, Any]]  # relpath -> {"sha256": hex, "size": int}
+    draft: ModelEntry | None = None
+    created_by: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form export facts (timings, profiles)
+    format_version: int = FORMAT_VERSION
+
+    def models(self) -> dict[str, ModelEntry]:
+        out = {"target": self.target}
+        if self.draft is not None:
+            out["draft"] = self.draft
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        def entry(m: ModelEntry) -> dict[str, Any]:
+            d = asdict(m)
+            d["eos_token_ids"] = list(m.eos_token_ids)
+            d["data_files"] = list(m.data_files)
+            return d
+
+        out: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created_by": self.created_by,
+            "models": {name: entry(m) for name, m in self.models().items()},
+            "tokenizer": asdict(self.tokenizer),
+            "speculation": asdict(self.speculation),
+            "files": self.files,
+            "extra": self.extra,
+        }
+        return out
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _get(obj: dict[str, Any], key: str, where: str, kind: type | tuple[type, ...], *, optional: bool = False,
+         default: Any = None) -> Any:
+    """Fetch ``obj[key]`` and check its type; errors name the dotted field path."""
+    name = f"{where}.{key}" if where else key
+    if key not in obj:
+        if optional:
+            return default
+        raise ManifestError(f"manifest field '{name}' is missing")
+    value = obj[key]
+    if value is None and optional:
+        return default
+    # bool is an int subclass; an int field must not accept true/false.
+    if kind is int or (isinstance(kind, tuple) and int in kind and bool not in kind):
+        if isinstance(value, bool):
+            raise ManifestError(f"manifest field '{name}' must be an integer, got {value!r}")
+    if not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ManifestError(f"manifest field '{name}' must be {want}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _positive(value: int, name: str) -> int:
+    if value < 1:
+        raise ManifestError(f"manifest field '{name}' must be >= 1, got {value}")
+    return value
+
+
+def _choice(value: str, allowed: tuple[str, ...], name: str) -> str:
+    if value not in allowed:
+        raise ManifestError(f"manifest field '{name}' must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _relpath(value: str, name: str) -> str:
+    """Refuse paths that could leave the bundle before touching the file system."""
+    if not value or "\x00" in value:
+        raise UnsafePathError(f"manifest field '{name}' is an empty or invalid path")
+    if value.startswith(("/", "\\")) or (len(value) > 1 and value[1] == ":"):
+        raise UnsafePathError(f"manifest field '{name}' is an absolute path ({value!r}); bundle paths are relative")
+    parts = PurePosixPath(value.replace("\\", "/")).parts
+    if ".." in parts:
+        raise UnsafePathError(f"manifest field '{name}' ({value!r}) contains '..' and would leave the bundle")
+    return value
+
+
+def _parse_io(obj: dict[str, Any], where: str) -> ModelIO:
+    defaults = ModelIO()
+    values = {}
+    for key in asdict(defaults):
+        values[key] = _get(obj, key, where, str, optional=True, default=getattr(defaults, key))
+    for key in ("past_key", "past_value", "new_key", "new_value"):
+        if values[key].count("%d") != 1:
+            raise ManifestError(f"manifest field '{where}.{key}' must contain exactly one '%d' (layer index)")
+    return ModelIO(**values)
+
+
+def _parse_model(obj: Any, where: str) -> ModelEntry:
+    if not isinstance(obj, dict):
+        raise ManifestError(f"manifest field '{where}' must be an object")
+    ints = {k: _positive(_get(obj, k, where, int), f"{where}.{k}")
+            for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context")}
+    if ints["n_heads"] % ints["n_kv_heads"]:
+        raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
+                            f"n_kv_heads ({ints['n_kv_heads']})")
+    eos = _get(obj, "eos_token_ids", where, list)
+    for i, tok in enumerate(eos):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < ints["vocab_size"]:
+            raise ManifestError(f"manifest field '{where}.eos_token_ids[{i}]' must be a token id in "
+                                f"[0, {ints['vocab_size']}), got {tok!r}")
+    data_files = _get(obj, "data_files", where, list, optional=True, default=[])
+    for i, rel in enumerate(data_files):
+        if not isinstance(rel, str):
+            raise ManifestError(f"manifest field '{where}.data_files[{i}]' must be a string")
+        _relpath(rel, f"{where}.data_files[{i}]")
+    io = _get(obj, "io", where, dict, optional=True, default={})
+    return ModelEntry(
+        graph=_relpath(_get(obj, "graph", where, str), f"{where}.graph"),
+        architecture=_get(obj, "architecture", where, str),
+        source=_get(obj, "source", where, str, optional=True, default=""),
+        precision=_choice(_get(obj, "precision", where, str), PRECISIONS, f"{where}.precision"),
+        kv_dtype=_choice(_get(obj, "kv_dtype", where, str, optional=True, default="float32"), KV_DTYPES,
+                         f"{where}.kv_dtype"),
+        eos_token_ids=tuple(eos),
+        data_files=tuple(data_files),
+        tokenizer_sha256=_get(obj, "tokenizer_sha256", where, str, optional=True, default=""),
+        io=_parse_io(io, f"{where}.io"),
+        **ints,
+    )
+
+
+def parse_manifest(obj: Any) -> Manifest:
+    """Validate a decoded manifest.json. Raises ManifestError naming the bad field."""
+    if not isinstance(obj, dict):
+        raise ManifestError("manifest.json must hold a JSON object")
+    fmt = _get(obj, "format", "", str)
+    if fmt != FORMAT_NAME:
+        raise ManifestError(f"manifest field 'format' must be {FORMAT_NAME!r}, got {fmt!r}: not a specedge bundle")
+    version = _get(obj, "format_version", "", int)
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"manifest format_version {version} is not supported (this specedge reads "
+                            f"version {FORMAT_VERSION}); re-export the bundle with this version")
+    models = _get(obj, "models", "", dict)
+    if "target" not in models:
+        raise ManifestError("manifest field 'models.target' is missing")
+    unknown = set(models) - {"target", "draft"}
+    if unknown:
+        raise ManifestError(f"manifest field 'models' has unknown entries {sorted(unknown)}; allowed: target, draft")
+    target = _parse_model(models["target"], "models.target")
+    draft = _parse_model(models["draft"], "models.draft") if models.get("draft") is not None else None
+
+    tok = _get(obj, "tokenizer", "", dict)
+    tokenizer = TokenizerEntry(
+        file=_relpath(_get(tok, "file", "tokenizer", str), "tokenizer.file"),
+        config=_relpath(c, "tokenizer.config") if (c := _get(tok, "config", "tokenizer", str, optional=True)) else None,
+        chat_template=(_relpath(c, "tokenizer.chat_template")
+                       if (c := _get(tok, "chat_template", "tokenizer", str, optional=True)) else None),
+        sha256=_get(tok, "sha256", "tokenizer", str, optional=True, default=""),
+        bos_token=_get(tok, "bos_token", "tokenizer", str, optional=True),
+        eos_token=_get(tok, "eos_token", "tokenizer", str, optional=True),
+        add_bos_token=_get(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
+    )
+
+    spec = _get(obj, "speculation", "", dict, optional=True, default={})
+    defaults = SpeculationDefaults()
+    max_draft = _get(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
+    if not 1 <= max_draft <= 64:
+        raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, 64], got {max_draft}")
+    draft_tokens = _get(spec, "draft_tokens", "speculation", int, optional=True, default=min(defaults.draft_tokens,
+                                                                                            max_draft))
+    if not 0 <= draft_tokens <= max_draft:
+        raise ManifestError(f"manifest field 'speculation.draft_tokens' must be in [0, max_draft_tokens={max_draft}],"
+                            f" got {draft_tokens}")
+    speculation = SpeculationDefaults(
+        drafter=_choice(_get(spec, "drafter", "speculation", str, optional=True,
+                             default="model" if draft else "ngram"), DRAFTERS, "speculation.drafter"),
+        draft_tokens=draft_tokens,
+        max_draft_tokens=max_draft,
+        adaptive=_get(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
+    )
+    if speculation.drafter in ("model", "composite") and draft is None:
+        raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
+                            "no models.draft")
+
+    files = _get(obj, "files", "", dict)
+    for rel, meta in files.items():
+        _relpath(rel, f"files[{rel!r}]")
+        if not isinstance(meta, dict):
+            raise ManifestError(f"manifest field 'files[{rel!r}]' must be an object with sha256 and size")
+        digest = _get(meta, "sha256", f"files[{rel!r}]", str)
+        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+            raise ManifestError(f"manifest field 'files[{rel!r}].sha256' must be 64 lowercase hex digits")
+        if _get(meta, "size", f"files[{rel!r}]", int) < 0:
+            raise ManifestError(f"manifest field 'files[{rel!r}].size' must be >= 0")
+    referenced = [tokenizer.file] + [m.graph for m in (target, draft) if m] + \
+                 [d for m in (target, draft) if m for d in m.data_files]
+    for rel in referenced:
+        if rel not in files:
+            raise ManifestError(f"manifest lists {rel!r} but has no sha256 for it in 'files'")
+
+    if draft is not None:
+        check_vocab_compatible(target, draft)
+
+    return Manifest(
+        target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=dict(files),
+        created_by=_get(obj, "created_by", "", str, optional=True, default=""),
+        extra=_get(obj, "extra", "", dict, optional=True, default={}),
+        format_version=version,
+    )
+
+
+def check_vocab_compatible(target: ModelEntry, draft: ModelEntry) -> None:
+    """Draft tokens are target tokens: the vocabularies must be the same size."""
+    if target.vocab_size != draft.vocab_size:
+        raise VocabMismatchError(
+            f"draft vocab_size {draft.vocab_size} differs from target vocab_size {target.vocab_size}: "
+            "a draft must share the target's tokenizer")
+    if target.tokenizer_sha256 and draft.tokenizer_sha256 and target.tokenizer_sha256 != draft.tokenizer_sha256:
+        raise VocabMismatchError(
+            f"draft tokenizer (sha256 {draft.tokenizer_sha256[:12]}…) differs from the target's "
+            f"({target.tokenizer_sha256[:12]}…): the same ids would mean different text")
+
+
+# --------------------------------------------------------------------------- files
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_inside(bundle: Path, rel: str) -> Path:
+    """Return bundle/rel, refusing anything (symlinks included) that resolves outside the bundle."""
+    _relpath(rel, rel)
+    root = bundle.resolve()
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root):
+        raise UnsafePathError(f"bundle path {rel!r} resolves to {path}, outside the bundle {root} (symlink?)")
+    return path
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = True) -> Manifest:
+    """Read and validate ``bundle/manifest.json``.
+
+    Checks that every file the manifest lists exists inside the bundle with the
+    recorded size, and (unless ``verify_checksums=False``) the recorded sha256.
+    No ONNX session is created here: callers validate everything first.
+    """
+    root = Path(bundle)
+    if not root.exists():
+        raise BundleError(f"bundle {root} does not exist")
+    if not root.is_dir():
+        raise BundleError(f"bundle {root} is not a folder (a bundle is the folder `specedge export` wrote)")
+    mpath = root / MANIFEST_FILE
+    if not mpath.is_file():
+        raise BundleError(f"{root} has no {MANIFEST_FILE}: not a specedge bundle (create one with `specedge export`)")
+    try:
+        obj = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{mpath} is not valid JSON: {exc}") from None
+    manifest = parse_manifest(obj)
+    for rel, meta in manifest.files.items():
+        path = resolve_inside(root, rel)
+        if not path.is_file():
+            raise BundleError(f"bundle file {rel!r} listed in the manifest is missing from {root}")
+        size = path.stat().st_size
+        if size != meta["size"]:
+            raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta['size']} "
+                                "(truncated or replaced); re-export the bundle")
+        if verify_checksums:
+            digest = sha256_file(path)
+            if digest != meta["sha256"]:
+                raise ChecksumError(f"bundle file {rel!r} has sha256 {digest[:16]}… but the manifest records "
+                                    f"{meta['sha256'][:16]}… (corrupt or tampered); re-export the bundle")
+    return manifest
+
+
+def write_manifest(bundle: Path, manifest: Manifest) -> Path:
+    path = bundle / MANIFEST_FILE
+    path.write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
+    return path

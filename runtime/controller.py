@@ -1,0 +1,155 @@
+"""Draft-length controllers: how many tokens to draft before the next verify.
+
+``choose(limit) -> k`` picks 0..limit (0 = a plain target step); ``observe(...)``
+feeds back what the step cost and how much of it was accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvalidParameterError
+
+
+class FixedK:
+    """Always draft ``k`` tokens (fewer only near the context or token limit)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise InvalidParameterError(f"draft_tokens must be >= 0; got {k}")
+        self.k = k
+
+    def choose(self, limit: int) -> int:
+        return min(self.k, limit)
+
+    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+@dataclass
+class CostProfile:
+    """Step costs in seconds: one target step of n tokens, and one draft token."""
+
+    target_s: dict[int, float] = field(default_factory=dict)  # verify length n (= k+1) -> seconds
+    draft_token_s: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"target_s": {str(n): t for n, t in sorted(self.target_s.items())}, "draft_token_s": self.draft_token_s}
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "CostProfile":
+        return cls({int(n): float(t) for n, t in obj.get("target_s", {}).items()}, obj.get("draft_token_s"))
+
+
+class AdaptiveK:
+    """Online cost model choosing k to maximise expected committed tokens per second.
+
+    Following Leviathan et al. 2023 (Thm 3.8) with per-position acceptance: if
+    ``alpha[i]`` is the probability that draft token i+1 is accepted given all earlier
+    ones were, a step drafting k tokens commits ``E(k) = 1 + sum_{j<=k} prod_{i<j} alpha[i]``
+    tokens and costs ``T(k) = k * t_draft + t_target(k+1)``. The controller picks
+    ``argmax_k E(k) / T(k)`` over k = 0..limit; k = 0 is a plain target step
+    (E = 1, T = t_target(1)), so when speculation does not pay it switches off.
+
+    Update rule: exponential moving averages with weight ``beta`` (0.2: a change in
+    acceptance is followed within ~5 steps, yet one unlucky block does not switch
+    speculation off). Acceptance at position i is observed only where the step
+    reached it (all earlier tokens accepted). Costs are averaged per verify length;
+    unmeasured lengths are interpolated from measured ones, or start from an
+    optimistic prior so that they get tried and measured.
+
+    Probing: while k = 0 wins, no acceptance is observed, so every ``probe_every``
+    plain steps it drafts once at the last positive k to refresh the estimates.
+    """
+
+    name = "adaptive"
+
+    # An untried verify length is assumed to cost 1 + 0.15 per extra token of a 1-token step:
+    # optimistic for memory-bound decoding, so it is tried once and then measured.
+    PRIOR_VERIFY_SLOPE = 0.15
+    PRIOR_ACCEPTANCE = 0.6  # optimistic start: speculation is tried before it is judged
+
+    def __init__(self, max_k: int, *, beta: float = 0.2, probe_every: int = 16,
+                 profile: CostProfile | None = None, start_k: int | None = None) -> None:
+        if max_k < 0:
+            raise InvalidParameterError(f"max_draft_tokens must be >= 0; got {max_k}")
+        if not 0 < beta <= 1:
+            raise InvalidParameterError(f"beta must be in (0, 1]; got {beta}")
+        self.max_k = max_k
+        self.beta = beta
+        self.probe_every = probe_every
+        self.alpha = [self.PRIOR_ACCEPTANCE] * max_k
+        self.profile = profile or CostProfile()
+        self._plain_streak = 0
+        self._last_positive_k = start_k if start_k else min(4, max_k)
+        self.mode_s = {"speculative": 0.0, "plain": 0.0}
+
+    # --- model ------------------------------------------------------------------
+    def target_cost(self, n: int) -> float | None:
+        known = self.profile.target_s
+        if n in known:
+            return known[n]
+        if not known:
+            return None
+        lengths = sorted(known)
+        below = [m for m in lengths if m < n]
+        above = [m for m in lengths if m > n]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
+        base = known.get(1, known[lengths[0]] / (1 + self.PRIOR_VERIFY_SLOPE * (lengths[0] - 1)))
+        if len(lengths) >= 2 and below:
+            lo, hi = lengths[-2], lengths[-1]
+            slope = max((known[hi] - known[lo]) / (hi - lo), 0.0)
+            return known[hi] + slope * (n - hi)
+        return base * (1 + self.PRIOR_VERIFY_SLOPE * (n - 1))
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.alpha[i]
+            total += reach
+        return total
+
+    def rate(self, k: int) -> float:
+        """Expected committed tokens per second for draft length k (0 if unknown)."""
+        t_target = self.target_cost(k + 1)
+        if t_target is None:
+            return 0.0
+        t_draft = (self.profile.draft_token_s or 0.0) * k
+        return self.expected_tokens(k) / (t_target + t_draft)
+
+    # --- protocol -----------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return 0
+        if self.target_cost(1) is None:
+            return 0  # first step: measure a plain step before judging speculation
+        best = max(range(limit + 1), key=self.rate)
+        if best == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.probe_every:
+                self._plain_streak = 0
+                return min(self._last_positive_k, limit)
+            return 0
+        self._plain_streak = 0
+        self._last_positive_k = best
+        return best
+
+    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        b = self.beta
+        n_verify = n_drafted + 1
+        old = self.profile.target_s.get(n_verify)
+        self.profile.target_s[n_verify] = verify_s if old is None else (1 - b) * old + b * verify_s
+        if n_drafted > 0:
+            per_token = draft_s / n_drafted
+            old_d = self.profile.draft_token_s
+            self.profile.draft_token_s = per_token if old_d is None else (1 - b) * old_d + b * per_token
+            reached = min(n_accepted + 1, n_drafted)  # positions whose outcome the step observed
+            for i in range(reached):
+                outcome = 1.0 if i < n_accepted else 0.0
+                self.alpha[i] = (1 - b) * self.alpha[i] + b * outcome
+        self.mode_s["speculative" if n_drafted else "plain"] += draft_s + verify_s

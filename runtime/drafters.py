@@ -1,0 +1,190 @@
+"""Drafters: cheap proposers of the next k tokens.
+
+Every drafter has three methods (as in llama.cpp's common_speculative):
+
+- ``begin(prompt)``: a new generation starts; ``prompt`` int64 ``[P]``.
+- ``propose(history, k) -> Proposal``: up to k tokens continuing ``history``
+  (int64 ``[H]``, every committed token, prompt included). May return fewer.
+- ``accept(history, n_accepted)``: the step committed; ``history`` is the new
+  committed sequence, of which the last token came from the target.
+
+A drafter owns its state (a draft model's KV cache, an n-gram index) and never
+touches the target's cache.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ..engines.base import Engine
+from .sampling import SamplingConfig, sample, warp
+from .verify import Proposal
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: np.ndarray) -> None: ...
+
+    def propose(self, history: np.ndarray, k: int) -> Proposal: ...
+
+    def accept(self, history: np.ndarray, n_accepted: int) -> None: ...
+
+
+class ModelDrafter:
+    """A draft model through an Engine, with its own KV cache.
+
+    Invariant between steps: the draft cache holds K/V for ``history[:cache.length]``
+    and every one of those tokens is committed. ``propose`` first feeds the committed
+    tokens the draft has not seen (the target's correction or bonus token, and after a
+    fully accepted block also the last draft token, which was proposed but never fed),
+    then drafts one token per forward. ``accept`` rewinds past the first token that
+    was not committed.
+    """
+
+    name = "model"
+
+    def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
+                 cache=None) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self.p_min = p_min  # stop drafting when the draft's top probability falls below this
+        self.cache = cache if cache is not None else engine.new_cache()
+        self.rng = np.random.default_rng(seed)
+        self.last_top_probs: list[float] = []  # confidence of each proposed token, for stats/controllers
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.cache.reset()
+        if len(prompt) > 1:
+            # Prefill all but the last prompt token; propose() feeds the rest with the first draft step.
+            self.engine.forward(prompt[:-1], self.cache, num_logits=1)
+
+    def propose(self, history: np.ndarray, k: int) -> Proposal:
+        self.last_top_probs = []
+        # Never draft past the draft's own context: the verify needs the same room in the target.
+        k = min(k, self.cache.capacity - len(history))
+        if k <= 0:
+            return Proposal.empty()
+        pending = history[self.cache.length:]
+        tokens: list[int] = []
+        probs: list[np.ndarray] = []
+        for i in range(k):
+            logits = self.engine.forward(pending, self.cache, num_logits=1)[-1]
+            if self.sampling.greedy:
+                token = int(np.argmax(logits))
+                top = _top_prob(logits) if self.p_min > 0 else 1.0
+            else:
+                p_draft = warp(logits, self.sampling)
+                token = sample(p_draft, self.rng)
+                top = float(p_draft.max())
+                probs.append(p_draft)
+            if top < self.p_min:
+                if probs:
+                    probs.pop()
+                break
+            tokens.append(token)
+            self.last_top_probs.append(top)
+            if i + 1 < k:
+                pending = np.array([token], np.int64)
+        draft_probs = np.stack(probs) if probs and not self.sampling.greedy else None
+        return Proposal(np.array(tokens, np.int64), draft_probs)
+
+    def accept(self, history: np.ndarray, n_accepted: int) -> None:
+        # Cached positions beyond len(history) - 1 hold rejected draft tokens (or would hold the
+        # target's last token, which the draft has not processed yet).
+        keep = min(self.cache.length, len(history) - 1)
+        self.cache.rewind(self.cache.length - keep)
+
+
+def _top_prob(logits: np.ndarray) -> float:
+    """max softmax(logits) without materialising the distribution twice."""
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z, dtype=np.float64).sum())
+
+
+class NGramDrafter:
+    """Prompt lookup: propose the continuation of the most recent earlier match of the last n tokens.
+
+    n goes from ``max_ngram`` down to ``min_ngram``. The index maps every n-gram to the
+    position right after its most recent occurrence and is extended incrementally as
+    tokens are committed (O(max_ngram) work per committed token, no rescans).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            from ..errors import InvalidParameterError
+
+            raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._tokens: list[int] = []
+        # _index[n][gram] = position following the most recent occurrence of gram that is
+        # not the sequence's own suffix (the suffix is indexed one token late, see _extend).
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self._tokens = []
+        self._index = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._extend(prompt)
+
+    def _extend(self, tokens) -> None:
+        seq = self._tokens
+        for token in tokens:
+            seq.append(int(token))
+            end = len(seq) - 1  # the gram ending just before the new token now has a continuation
+            for n in self._index:
+                if end - n >= 0:
+                    self._index[n][tuple(seq[end - n:end])] = end
+
+    def _sync(self, history: np.ndarray) -> None:
+        if len(history) < len(self._tokens):
+            self.begin(history)  # history shrank (a new conversation without begin): rebuild
+        elif len(history) > len(self._tokens):
+            self._extend(history[len(self._tokens):])
+
+    def propose(self, history: np.ndarray, k: int) -> Proposal:
+        self._sync(history)
+        seq = self._tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            start = self._index[n].get(tuple(seq[len(seq) - n:]))
+            if start is not None:
+                return Proposal(np.array(seq[start:start + k], np.int64))
+        return Proposal.empty()
+
+    def accept(self, history: np.ndarray, n_accepted: int) -> None:
+        self._sync(history)
+
+
+class CompositeDrafter:
+    """The n-gram proposal when the history repeats itself, else the draft model.
+
+    The model drafter's cache stays consistent either way: its ``accept`` runs every
+    step, and its next ``propose`` catches up on whatever committed tokens it missed.
+    """
+
+    name = "composite"
+
+    def __init__(self, ngram: NGramDrafter, model: ModelDrafter) -> None:
+        self.ngram = ngram
+        self.model = model
+        self.last_source = "none"
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.ngram.begin(prompt)
+        self.model.begin(prompt)
+
+    def propose(self, history: np.ndarray, k: int) -> Proposal:
+        proposal = self.ngram.propose(history, k)
+        if len(proposal.tokens):
+            self.last_source = "ngram"
+            return proposal
+        self.last_source = "model"
+        return self.model.propose(history, k)
+
+    def accept(self, history: np.ndarray, n_accepted: int) -> None:
+        self.ngram.accept(history, n_accepted)
+        self.model.accept(history, n_accepted)

@@ -1,0 +1,311 @@
+"""The Python API: ``Generator.from_bundle(path)``, ``.generate(...)``, ``.stream(...)``.
+
+Everything that can be checked is checked at construction or at the start of a
+call, before a session runs: the manifest and checksums, parameters, the prompt
+length against max_context.
+
+Thread safety: one Generator owns one KV cache per model, so calls from several
+threads are serialised by an internal lock; each call's output equals what it
+would give alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..engines import EngineOptions, create_engine
+from ..errors import ContextOverflowError, InvalidParameterError
+from ..manifest import DRAFTERS, Manifest, load_manifest, resolve_inside
+from . import loop
+from .controller import AdaptiveK, CostProfile, FixedK
+from .drafters import CompositeDrafter, ModelDrafter, NGramDrafter
+from .sampling import SamplingConfig
+from .stats import GenerationStats
+from .text import StreamDecoder, TextCodec
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-call settings. ``None`` means "the bundle's default"."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
+    speculation: bool = True  # False = plain decoding, the baseline
+    drafter: str | None = None  # none | model | ngram | composite
+    draft_tokens: int | None = None  # fixed k; None = bundle default (adaptive or its draft_tokens)
+    adaptive: bool | None = None  # adaptive k (the cost model); None = bundle default
+    p_min: float = 0.0  # stop drafting when the draft's top probability is below this
+    max_ngram: int = 3  # n-gram drafter: longest suffix to match
+    min_ngram: int = 1  # n-gram drafter: shortest suffix to match
+    chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise InvalidParameterError(f"max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise InvalidParameterError(f"drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
+                                              or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
+            raise InvalidParameterError(f"draft_tokens must be an integer >= 0; got {self.draft_tokens!r}")
+        if not 0.0 <= self.p_min < 1.0:
+            raise InvalidParameterError(f"p_min must be in [0, 1); got {self.p_min!r}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got "
+                                        f"{self.min_ngram}, {self.max_ngram}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        self.sampling  # validates temperature / top_k / top_p / seed
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens (EOS included when it ended generation)
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or max_context), "cancelled"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    prompt_ids: list[int] = field(default_factory=list)
+    message: str = ""  # why it finished, in words, when that is not obvious
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "message": self.message, "prompt_tokens": len(self.prompt_ids), "stats": self.stats.to_dict()}
+
+
+class TextStream:
+    """Iterator of text deltas, one per committed block; ``cancel()`` stops at the next block."""
+
+    def __init__(self, deltas: Iterator[str]) -> None:
+        self._deltas = deltas
+        self._cancel = threading.Event()
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def close(self) -> None:
+        self._deltas.close()
+
+
+class Generator:
+    """A loaded bundle: target engine, optional draft engine, tokenizer, preallocated caches."""
+
+    def __init__(self, bundle: Path, manifest: Manifest, codec: TextCodec, target, draft=None) -> None:
+        self.bundle = bundle
+        self.manifest = manifest
+        self.codec = codec
+        self.target = target
+        self.draft = draft
+        self.target_kv = target.new_cache()  # allocated once, reused by every call
+        self.draft_kv = draft.new_cache() if draft is not None else None
+        self.max_context = manifest.target.max_context
+        self.eos_token_ids = manifest.target.eos_token_ids
+        self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_bundle(cls, path: str | Path, *, provider: str = "cpu", threads: int = 0,
+                    draft_threads: int | None = None, verify_checksums: bool = True,
+                    load_draft: bool = True, engine_options: EngineOptions | None = None) -> "Generator":
+        """Load a bundle folder written by ``specedge export``.
+
+        ``threads``: intra-op threads per session (0 = ORT default). ``verify_checksums``:
+        hash every file against the manifest (on by default; off skips ~1 s per GB).
+        """
+        bundle = Path(path)
+        options = engine_options or EngineOptions(provider=provider, intra_op_threads=threads)
+        manifest = load_manifest(bundle, verify_checksums=verify_checksums)
+        tok = manifest.tokenizer
+        template = None
+        if tok.chat_template:
+            template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
+        codec = TextCodec(resolve_inside(bundle, tok.file), template, bos_token=tok.bos_token,
+                          eos_token=tok.eos_token, add_bos_token=tok.add_bos_token)
+        if codec.vocab_size > manifest.target.vocab_size:
+            raise InvalidParameterError(f"tokenizer has {codec.vocab_size} tokens but the target's vocab_size is "
+                                        f"{manifest.target.vocab_size}")
+        target = create_engine(manifest.target, resolve_inside(bundle, manifest.target.graph), options)
+        draft = None
+        if manifest.draft is not None and load_draft:
+            draft_options = replace(options, intra_op_threads=draft_threads if draft_threads is not None
+                                    else options.intra_op_threads)
+            draft = create_engine(manifest.draft, resolve_inside(bundle, manifest.draft.graph), draft_options)
+        return cls(bundle, manifest, codec, target, draft)
+
+    # --------------------------------------------------------------------- prompts
+    def encode_prompt(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                      input_ids: Sequence[int] | None = None, chat: bool = True) -> list[int]:
+        given = sum(x is not None for x in (prompt, messages, input_ids))
+        if given != 1:
+            raise InvalidParameterError("pass exactly one of prompt, messages or input_ids")
+        if input_ids is not None:
+            ids = [int(t) for t in input_ids]
+            bad = [t for t in ids if not 0 <= t < self.manifest.target.vocab_size]
+            if bad:
+                raise InvalidParameterError(f"input_ids holds ids outside [0, {self.manifest.target.vocab_size}): "
+                                            f"{bad[:5]}")
+        elif messages is not None:
+            ids = self.codec.encode(self.codec.render_chat(messages))
+        else:
+            if not isinstance(prompt, str):
+                raise InvalidParameterError(f"prompt must be a string; got {type(prompt).__name__}")
+            if chat and self.codec.chat_template:
+                ids = self.codec.encode(self.codec.render_chat([{"role": "user", "content": prompt}]))
+            else:
+                ids = self.codec.encode(prompt)
+        if not ids:
+            raise InvalidParameterError("the prompt is empty: it encodes to no tokens")
+        if len(ids) >= self.max_context:
+            raise ContextOverflowError(f"prompt is {len(ids)} tokens but max_context is {self.max_context}; "
+                                       "shorten it or re-export with a larger --max-context")
+        return ids
+
+    # --------------------------------------------------------------------- drafting
+    def _drafter_and_controller(self, config: GenerationConfig):
+        spec = self.manifest.speculation
+        name = config.drafter or spec.drafter
+        if not config.speculation or name == "none":
+            return None, None
+        if name in ("model", "composite") and self.draft is None:
+            raise InvalidParameterError(f"drafter {name!r} needs a draft model, and this bundle has none "
+                                        "(export with --draft, or use --drafter ngram)")
+        sampling = config.sampling
+        if name == "ngram":
+            drafter = NGramDrafter(config.max_ngram, config.min_ngram)
+        else:
+            model = ModelDrafter(self.draft, sampling, p_min=config.p_min,
+                                 seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv)
+            drafter = model if name == "model" else CompositeDrafter(
+                NGramDrafter(config.max_ngram, config.min_ngram), model)
+        adaptive = spec.adaptive if config.adaptive is None else config.adaptive
+        if config.draft_tokens is not None and config.adaptive is None:
+            adaptive = False  # an explicit k means "this k"
+        if adaptive:
+            max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
+            profile = self._profiles.setdefault(name, CostProfile())
+            controller = AdaptiveK(max_k, profile=profile, start_k=config.draft_tokens or spec.draft_tokens)
+        else:
+            k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
+            controller = FixedK(k)
+        return drafter, controller
+
+    # --------------------------------------------------------------------- generation
+    def _config(self, config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+        config = config or GenerationConfig()
+        if overrides:
+            unknown = set(overrides) - set(GenerationConfig.__dataclass_fields__)
+            if unknown:
+                raise InvalidParameterError(f"unknown generation parameter(s) {sorted(unknown)}; known: "
+                                            f"{', '.join(GenerationConfig.__dataclass_fields__)}")
+            config = replace(config, **overrides)
+        return config
+
+    def _run(self, ids: list[int], config: GenerationConfig, stream: TextStream | None) -> Iterator[str]:
+        """The one generation path behind generate() and stream(): yields text deltas."""
+        drafter, controller = self._drafter_and_controller(config)
+        rng = np.random.default_rng(config.seed)
+        decoder = StreamDecoder(self.codec, config.stop)
+        state = loop.LoopResult()
+        result = GenerationResult("", [], "length", state.stats, ids)
+        if stream is not None:
+            stream.result = result
+        with self._lock:
+            blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
+                              max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
+                              sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
+                              result=state)
+            try:
+                for block in blocks:
+                    final = state.finish_reason is not None
+                    delta = decoder.push(block, final=final)
+                    if decoder.stopped_at is not None:
+                        state.finish_reason = "stop_string"
+                        del state.tokens[decoder.stopped_at + 1:]
+                    result.text = decoder.text
+                    result.token_ids = list(state.tokens)
+                    if delta:
+                        yield delta
+                    if decoder.stopped_at is not None:
+                        break
+                    if stream is not None and stream.cancelled:
+                        state.finish_reason = "cancelled"
+                        break
+            finally:
+                blocks.close()
+                tail = decoder.push([], final=True) if decoder.stopped_at is None else ""
+                result.text = decoder.text
+                result.token_ids = list(state.tokens)
+                result.stats.new_tokens = len(state.tokens)
+                reason = state.finish_reason or "cancelled"
+                result.finish_reason = {"context": "length", "stop_string": "stop"}.get(reason, reason)
+                if reason == "context":
+                    result.message = (f"reached max_context ({self.max_context} tokens: prompt "
+                                      f"{len(ids)} + {len(state.tokens)} generated)")
+                if controller is not None and hasattr(controller, "mode_s"):
+                    result.stats.mode_s = dict(controller.mode_s)
+        if tail:
+            yield tail
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,
+                 **overrides) -> GenerationResult:
+        """Generate a completion. Keyword overrides are GenerationConfig fields
+        (``max_new_tokens=64, temperature=0.7, draft_tokens=4, drafter="ngram"``...)."""
+        config = self._config(config, overrides)
+        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat)
+        stream = TextStream(iter(()))
+        for _ in self._run(ids, config, stream):
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,
+               callback: Callable[[str], None] | None = None, **overrides) -> TextStream:
+        """Yield text deltas as blocks commit. ``stream.result`` holds the GenerationResult
+        once the iterator is exhausted; ``stream.cancel()`` stops at the next block boundary.
+        With ``callback``, runs to completion calling it with each delta and returns the stream."""
+        config = self._config(config, overrides)
+        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat)
+        stream = TextStream(iter(()))
+        stream._deltas = self._run(ids, config, stream)
+        if callback is not None:
+            for delta in stream:
+                callback(delta)
+        return stream
+
+    def warmup(self) -> None:
+        """Run every session once (prefill, step, verify shapes) so the first request pays no setup."""
+        k = self.manifest.speculation.max_draft_tokens
+        ids = [int(t) for t in range(min(8, self.max_context - k - 2))]
+        for engine, cache in ((self.target, self.target_kv), (self.draft, self.draft_kv)):
+            if engine is None:
+                continue
+            cache.reset()
+            engine.forward(np.asarray(ids, np.int64), cache, 1)
+            engine.forward(np.asarray(ids[:1], np.int64), cache, 1)
+            engine.forward(np.asarray(ids[: k + 1], np.int64), cache, k + 1)
+            cache.reset()
+

@@ -1,0 +1,104 @@
+"""The verifier: a pure function of (proposal, target logits, sampling config, rng).
+
+Contract (as in llama.cpp's header): given k drafted tokens and the target's
+logits for the k+1 positions ``[last_committed, d1..dk]``, return between 1 and
+k+1 tokens to commit. The first ``n_accepted`` are draft tokens; the last one is
+the target's own token (a correction after a rejection, or a bonus token when
+every draft token was accepted). Always at least one token, so a step never stalls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingConfig, sample, warp
+
+# A top-2 logit gap below this is a "near-tie": there a (k+1)-token verify may pick a
+# different argmax than a 1-token step, because float sums are not batch-invariant.
+# fp32 GEMM rows differ by ~1e-5 between batch shapes; int4 kernels by up to ~1e-2.
+NEAR_TIE_GAP = 2e-2
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a drafter proposes for one step.
+
+    ``tokens``: int64 ``[k']`` with 0 <= k' <= k. ``draft_probs``: float64
+    ``[k', V]``, the warped draft distribution each token was drawn from, or
+    None for deterministic drafters (n-gram lookup), which count as point masses.
+    """
+
+    tokens: np.ndarray
+    draft_probs: np.ndarray | None = None
+
+    @staticmethod
+    def empty() -> "Proposal":
+        return Proposal(np.zeros(0, np.int64))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tokens: list[int]  # 1..k+1 tokens to commit
+    n_accepted: int  # how many of them are draft tokens
+    near_ties: int = 0  # committed positions whose target top-2 gap was below NEAR_TIE_GAP (greedy only)
+
+
+def verify(proposal: Proposal, target_logits: np.ndarray, config: SamplingConfig,
+           rng: np.random.Generator | None) -> Verdict:
+    """Dispatch to the greedy or the speculative-sampling rule.
+
+    ``target_logits``: float32 ``[k'+1, V]`` for positions ``[last, d1..dk']``.
+    """
+    if config.greedy:
+        return verify_greedy(proposal.tokens, target_logits)
+    return verify_sampling(proposal, target_logits, config, rng)
+
+
+def verify_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> Verdict:
+    """Accept draft tokens up to the first mismatch with the target's argmax, then the target's token."""
+    target_ids = np.argmax(target_logits, axis=-1)
+    k = len(draft_tokens)
+    mismatch = np.nonzero(target_ids[:k] != draft_tokens)[0]
+    n = int(mismatch[0]) if len(mismatch) else k
+    committed = [int(t) for t in draft_tokens[:n]] + [int(target_ids[n])]
+    rows = target_logits[: n + 1]
+    top2 = np.partition(rows, rows.shape[-1] - 2, axis=-1)[:, -2:]
+    near = int(np.count_nonzero(top2[:, 1] - top2[:, 0] < NEAR_TIE_GAP))
+    return Verdict(committed, n, near)
+
+
+def verify_sampling(proposal: Proposal, target_logits: np.ndarray, config: SamplingConfig,
+                    rng: np.random.Generator) -> Verdict:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+    Token i is accepted with probability min(1, p_target(d_i) / p_draft(d_i)). At the
+    first rejection the correction is drawn from normalize(max(p_target - p_draft, 0)),
+    which makes the committed token distributed exactly as p_target. If all are accepted,
+    a bonus token is drawn from the target's last position.
+    """
+    draft_tokens = proposal.tokens
+    k = len(draft_tokens)
+    p_target = warp(target_logits[: k + 1], config)  # [k+1, V]
+    committed: list[int] = []
+    for i in range(k):
+        token = int(draft_tokens[i])
+        if proposal.draft_probs is None:
+            p_draft_row = np.zeros_like(p_target[i])
+            p_draft_row[token] = 1.0  # a deterministic drafter proposes with certainty
+        else:
+            p_draft_row = proposal.draft_probs[i]
+        q = p_draft_row[token]
+        ratio = p_target[i, token] / q if q > 0 else 0.0
+        if rng.random() < min(1.0, ratio):
+            committed.append(token)
+            continue
+        residual = np.maximum(p_target[i] - p_draft_row, 0.0)
+        total = residual.sum()
+        # An all-zero residual only happens when p_target == p_draft up to rounding;
+        # then p_target itself is the exact correction distribution.
+        correction = sample(residual / total, rng) if total > 1e-12 else sample(p_target[i], rng)
+        return Verdict(committed + [correction], i)
+    committed.append(sample(p_target[k], rng))
+    return Verdict(committed, k)
