@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ModelLoadError
+from ..errors import BackendUnavailableError, InvalidParameterError, ModelLoadError
 from ..manifest import ModelEntry
 from .base import EngineOptions, KVCache
 
@@ -102,6 +102,9 @@ class OrtEngine:
     def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray:
         """Run n new tokens; see :class:`specedge.engines.base.Engine`. Returns a view valid until the next call."""
         n = int(input_ids.shape[0])
+        if n < 1:
+            raise InvalidParameterError("forward needs at least one token")
+        num_logits = max(1, min(num_logits, n))
         kv.reserve(n)
         start = kv.length
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, n)

@@ -211,6 +211,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         files = {}
         for path in sorted(tmp.rglob("*")):
             if path.is_file():
+                path.chmod(0o644)  # onnx writes external data 0600; a bundle is meant to be shared
                 files[str(path.relative_to(tmp))] = file_record(path)
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise VocabMismatchError(f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}")

