@@ -36,12 +36,14 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A draft model through an Engine, with its own KV cache.
 
-    Invariant between steps: the draft cache holds K/V for ``history[:cache.length]``
-    and every one of those tokens is committed. ``propose`` first feeds the committed
-    tokens the draft has not seen (the target's correction or bonus token, and after a
-    fully accepted block also the last draft token, which was proposed but never fed),
-    then drafts one token per forward. ``accept`` rewinds past the first token that
-    was not committed.
+    The drafter remembers which token ids its cache holds (``self.cached``, one per
+    cached position). ``propose(history, k)`` first feeds whatever part of ``history``
+    the cache lacks (the target's correction or bonus token, and after a fully accepted
+    block also the last draft token, which was proposed but never fed), then drafts one
+    token per forward. ``accept`` keeps the longest cached prefix that agrees with the
+    committed history and rewinds the rest. Because the rule compares token ids rather
+    than assuming what the last step did, it also holds when the pipelined loop drafted
+    ahead on a guess.
     """
 
     name = "model"
@@ -52,14 +54,31 @@ class ModelDrafter:
         self.sampling = sampling
         self.p_min = p_min  # stop drafting when the draft's top probability falls below this
         self.cache = cache if cache is not None else engine.new_cache()
+        self.cached: list[int] = []  # token id at each cached position (len == cache.length)
         self.rng = np.random.default_rng(seed)
         self.last_top_probs: list[float] = []  # confidence of each proposed token, for stats/controllers
 
     def begin(self, prompt: np.ndarray) -> None:
         self.cache.reset()
+        self.cached = []
         if len(prompt) > 1:
             # Prefill all but the last prompt token; propose() feeds the rest with the first draft step.
-            self.engine.forward(prompt[:-1], self.cache, num_logits=1)
+            self._feed(np.asarray(prompt[:-1], np.int64))
+
+    def _feed(self, tokens: np.ndarray) -> np.ndarray:
+        logits = self.engine.forward(tokens, self.cache, num_logits=1)[-1]
+        self.cached.extend(int(t) for t in tokens)
+        return logits
+
+    def _sync(self, history: np.ndarray) -> None:
+        """Rewind to the longest cached prefix of ``history``, leaving >= 1 token to feed."""
+        limit = min(len(self.cached), len(history) - 1)
+        keep = 0
+        while keep < limit and self.cached[keep] == history[keep]:
+            keep += 1
+        if keep < len(self.cached):
+            self.cache.rewind(len(self.cached) - keep)
+            del self.cached[keep:]
 
     def propose(self, history: np.ndarray, k: int) -> Proposal:
         self.last_top_probs = []
@@ -67,11 +86,12 @@ class ModelDrafter:
         k = min(k, self.cache.capacity - len(history))
         if k <= 0:
             return Proposal.empty()
-        pending = history[self.cache.length:]
+        self._sync(history)
+        pending = np.asarray(history[len(self.cached):], np.int64)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         for i in range(k):
-            logits = self.engine.forward(pending, self.cache, num_logits=1)[-1]
+            logits = self._feed(pending)
             if self.sampling.greedy:
                 token = int(np.argmax(logits))
                 top = _top_prob(logits) if self.p_min > 0 else 1.0
@@ -92,10 +112,7 @@ class ModelDrafter:
         return Proposal(np.array(tokens, np.int64), draft_probs)
 
     def accept(self, history: np.ndarray, n_accepted: int) -> None:
-        # Cached positions beyond len(history) - 1 hold rejected draft tokens (or would hold the
-        # target's last token, which the draft has not processed yet).
-        keep = min(self.cache.length, len(history) - 1)
-        self.cache.rewind(self.cache.length - keep)
+        self._sync(history)
 
 
 def _top_prob(logits: np.ndarray) -> float:

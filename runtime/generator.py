@@ -47,6 +47,7 @@ class GenerationConfig:
     max_ngram: int = 3  # n-gram drafter: longest suffix to match
     min_ngram: int = 1  # n-gram drafter: shortest suffix to match
     chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
+    mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -62,6 +63,8 @@ class GenerationConfig:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got "
                                         f"{self.min_ngram}, {self.max_ngram}")
+        if self.mode not in loop.MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         self.sampling  # validates temperature / top_k / top_p / seed
@@ -236,7 +239,7 @@ class Generator:
             blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
-                              result=state)
+                              result=state, mode=config.mode)
             try:
                 for block in blocks:
                     final = state.finish_reason is not None

@@ -12,11 +12,22 @@ committed token (not yet in the cache)::
     verdict  = verify(proposal, logits)                    # n accepted + 1 target token
     target_kv.rewind(k' - n)                               # drop rejected d(n+1)..dk'
     drafter.accept(history + verdict.tokens, n)
+
+Pipelined steps (verify-while-draft, PEARL's post-verify) run the target's verify
+of block n in a worker thread while the drafter already drafts block n+1 on the
+guess that block n is fully accepted. ONNX Runtime releases the GIL inside
+``run``, so both sessions compute at once. If the guess was right (all of block n
+accepted and the target's bonus token equals the draft's first guess) the rest
+of the early draft becomes block n+1's proposal; otherwise it is discarded, and
+the drafter's token-matching ``accept`` rewinds its cache past it. The target's
+cache only ever holds what its verify wrote, and is rewound exactly as in a
+sequential step, so committed output is unchanged.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -28,6 +39,8 @@ from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .verify import Proposal, verify
 
+MODES = ("sequential", "pipelined", "auto")
+
 
 @dataclass
 class LoopResult:
@@ -36,48 +49,191 @@ class LoopResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
-        eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-        drafter: Drafter | None = None, controller=None, result: LoopResult | None = None) -> Iterator[list[int]]:
-    """Generate, yielding each block's committed tokens as soon as the block commits.
+class ModeSelector:
+    """Chooses sequential or pipelined steps from measured committed tokens per second.
 
-    ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
-    session runs). Fills ``result`` (tokens, finish_reason, stats) as it goes; closing
-    the iterator early (a stop string, a cancel) leaves ``result`` consistent.
+    Keeps an exponential moving average (weight 0.2, as the k controller) of each mode's
+    rate and uses the faster one; every ``probe_every`` steps it runs the other mode once
+    so a change in conditions (acceptance, machine load) is noticed.
     """
-    result = result if result is not None else LoopResult()
-    stats = result.stats
-    stats.prompt_tokens = len(prompt)
-    stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
-    eos = set(eos_token_ids)
-    history = [int(t) for t in prompt]
-    start = time.perf_counter()
 
-    def commit(block: list[int]) -> list[int]:
+    def __init__(self, probe_every: int = 12, beta: float = 0.2) -> None:
+        self.rate: dict[str, float | None] = {"sequential": None, "pipelined": None}
+        self.probe_every = probe_every
+        self.beta = beta
+        self._steps = 0
+
+    def choose(self) -> str:
+        self._steps += 1
+        for mode, rate in self.rate.items():
+            if rate is None:
+                return mode  # measure each mode once before judging
+        best = max(self.rate, key=lambda m: self.rate[m])
+        if self._steps % self.probe_every == 0:
+            return "pipelined" if best == "sequential" else "sequential"
+        return best
+
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rate[mode]
+        self.rate[mode] = rate if old is None else (1 - self.beta) * old + self.beta * rate
+
+
+class _Run:
+    """State of one generation: history, result, the pipelined carry-over proposal."""
+
+    def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
+                 eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
+                 drafter: Drafter | None, controller, result: LoopResult) -> None:
+        self.target = target
+        self.kv = target_kv
+        self.max_new_tokens = max_new_tokens
+        self.eos = set(eos_token_ids)
+        self.sampling = sampling
+        self.rng = rng
+        self.drafter = drafter
+        self.controller = controller
+        self.result = result
+        self.stats = result.stats
+        self.history = [int(t) for t in prompt]
+        self.carry: Proposal | None = None  # block n+1's proposal, drafted during block n's verify
+        self.start = time.perf_counter()
+
+    def commit(self, block: list[int]) -> list[int]:
         """Truncate a block at EOS / max_new_tokens; set finish_reason when the run ends."""
-        room = max_new_tokens - len(result.tokens)
+        result, stats = self.result, self.stats
+        room = self.max_new_tokens - len(result.tokens)
         out = []
         for token in block[:room]:
             out.append(token)
-            if token in eos:
+            if token in self.eos:
                 result.finish_reason = "stop"
                 break
-        if result.finish_reason is None and len(result.tokens) + len(out) >= max_new_tokens:
+        if result.finish_reason is None and len(result.tokens) + len(out) >= self.max_new_tokens:
             result.finish_reason = "length"
         result.tokens.extend(out)
-        history.extend(out)
-        now = time.perf_counter() - start
+        self.history.extend(out)
+        now = time.perf_counter() - self.start
         stats.token_times_s.extend([now] * len(out))
         stats.new_tokens = len(result.tokens)
         stats.total_s = now
         return out
 
+    def limit(self) -> int:
+        """Largest useful k: the verify writes k+1 positions; drafting past max_new_tokens is waste."""
+        return min(self.kv.capacity - len(self.history), self.max_new_tokens - len(self.result.tokens) - 1)
+
+    def choose_k(self) -> int:
+        limit = self.limit()
+        if self.drafter is None or self.controller is None or limit <= 0:
+            return 0
+        if self.carry is not None:
+            return min(len(self.carry.tokens), limit)
+        return self.controller.choose(limit)
+
+    def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
+        verdict = verify(proposal, logits, self.sampling, self.rng)
+        self.kv.rewind(len(proposal.tokens) - verdict.n_accepted)
+        self.stats.near_ties += verdict.near_ties
+        return self.commit(verdict.tokens), verdict.n_accepted
+
+    def _record(self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        stats = self.stats
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.record_step(k, drafted, accepted)
+        if self.controller is not None:
+            self.controller.observe(k, drafted, accepted, draft_s, verify_s)
+
+    def step_sequential(self, k: int) -> list[int]:
+        t0 = time.perf_counter()
+        arr = np.asarray(self.history, np.int64)
+        proposal = self._take_carry(k) or (self.drafter.propose(arr, k) if k > 0 else Proposal.empty())
+        drafted = len(proposal.tokens)
+        t1 = time.perf_counter()
+        step_ids = np.concatenate([arr[-1:], proposal.tokens]) if drafted else arr[-1:]
+        logits = self.target.forward(step_ids, self.kv, num_logits=drafted + 1)
+        block, accepted = self._verify_and_commit(proposal, logits)
+        t2 = time.perf_counter()
+        if k > 0:  # after a plain step the drafter catches up on its next propose
+            self.drafter.accept(np.asarray(self.history, np.int64), accepted)
+        t3 = time.perf_counter()
+        self._record(k, drafted, accepted, (t1 - t0) + (t3 - t2), t2 - t1)
+        return block
+
+    def _take_carry(self, k: int) -> Proposal | None:
+        carry, self.carry = self.carry, None
+        if carry is None or k <= 0:
+            return None
+        if len(carry.tokens) > k:
+            probs = carry.draft_probs[:k] if carry.draft_probs is not None else None
+            carry = Proposal(carry.tokens[:k], probs)
+        return carry
+
+    def step_pipelined(self, k: int, pool: ThreadPoolExecutor) -> list[int]:
+        t0 = time.perf_counter()
+        arr = np.asarray(self.history, np.int64)
+        proposal = self._take_carry(k) or self.drafter.propose(arr, k)
+        drafted = len(proposal.tokens)
+        t1 = time.perf_counter()
+        if drafted == 0:
+            self.drafter.accept(arr, 0)
+            return self.step_sequential(0)
+
+        def run_verify():
+            s = time.perf_counter()
+            out = self.target.forward(np.concatenate([arr[-1:], proposal.tokens]), self.kv, num_logits=drafted + 1)
+            return out, time.perf_counter() - s
+
+        future = pool.submit(run_verify)
+        # Draft block n+1 while the target verifies block n, assuming block n is accepted whole.
+        ahead = self.drafter.propose(np.concatenate([arr, proposal.tokens]), k)
+        t2 = time.perf_counter()
+        logits, verify_busy = future.result()
+        t3 = time.perf_counter()
+        block, accepted = self._verify_and_commit(proposal, logits)
+        guessed = (accepted == drafted and len(ahead.tokens) > 0 and len(block) == drafted + 1
+                   and block[-1] == int(ahead.tokens[0]))
+        if guessed and len(ahead.tokens) > 1:
+            probs = ahead.draft_probs[1:] if ahead.draft_probs is not None else None
+            self.carry = Proposal(ahead.tokens[1:], probs)
+        else:
+            self.drafter.accept(np.asarray(self.history, np.int64), accepted)  # discards the early draft
+        t4 = time.perf_counter()
+        draft_busy = (t1 - t0) + (t2 - t1) + (t4 - t3)
+        overlap = max(0.0, (t2 - t1) + verify_busy - (t3 - t1))
+        self.stats.overlap_s += overlap
+        self.stats.pipelined_steps += 1
+        self._record(k, drafted, accepted, draft_busy, verify_busy)
+        return block
+
+
+def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
+        eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
+        drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
+        mode: str = "sequential") -> Iterator[list[int]]:
+    """Generate, yielding each block's committed tokens as soon as the block commits.
+
+    ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
+    session runs). ``mode``: "sequential", "pipelined" (verify-while-draft) or "auto"
+    (measured choice per step). Fills ``result`` (tokens, finish_reason, stats) as it
+    goes; closing the iterator early (a stop string, a cancel) leaves it consistent.
+    """
+    result = result if result is not None else LoopResult()
+    stats = result.stats
+    stats.prompt_tokens = len(prompt)
+    stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
+    state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
+                 drafter, controller, result)
+
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)
     first = verify(Proposal.empty(), logits, sampling, rng)
-    stats.prefill_s = time.perf_counter() - start
+    stats.prefill_s = time.perf_counter() - state.start
     stats.near_ties += first.near_ties
-    block = commit(first.tokens)
+    block = state.commit(first.tokens)
     stats.time_to_first_token_s = stats.total_s
     yield block
     if result.finish_reason:
@@ -87,39 +243,30 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
         drafter.begin(np.asarray(prompt, np.int64))
         stats.draft_s += time.perf_counter() - t0
 
-    while True:
-        if len(history) >= target_kv.capacity:
-            result.finish_reason = "context"  # no room for the next token's K/V
-            return
-        step_start = time.perf_counter()
-        # Room: the verify writes k+1 positions; drafting past max_new_tokens is wasted work.
-        limit = min(target_kv.capacity - len(history), max_new_tokens - len(result.tokens) - 1)
-        k = controller.choose(limit) if (drafter is not None and controller is not None and limit > 0) else 0
-        arr = np.asarray(history, np.int64)
-        proposal = drafter.propose(arr, k) if k > 0 else Proposal.empty()
-        drafted = len(proposal.tokens)
-        t_drafted = time.perf_counter()
-
-        step_ids = np.concatenate([arr[-1:], proposal.tokens]) if drafted else arr[-1:]
-        logits = target.forward(step_ids, target_kv, num_logits=drafted + 1)
-        verdict = verify(proposal, logits, sampling, rng)
-        target_kv.rewind(drafted - verdict.n_accepted)
-        t_verified = time.perf_counter()
-
-        block = commit(verdict.tokens)
-        stats.near_ties += verdict.near_ties
-        if k > 0:  # after a plain step the drafter catches up on its next propose
-            drafter.accept(np.asarray(history, np.int64), verdict.n_accepted)
-        t_accepted = time.perf_counter()
-
-        draft_s = (t_drafted - step_start) + (t_accepted - t_verified)
-        verify_s = t_verified - t_drafted
-        stats.draft_s += draft_s
-        stats.verify_s += verify_s
-        stats.record_step(k, drafted, verdict.n_accepted)
-        if controller is not None:
-            controller.observe(k, drafted, verdict.n_accepted, draft_s, verify_s)
-        stats.overhead_s = stats.total_s - stats.prefill_s - stats.draft_s - stats.verify_s
-        yield block
-        if result.finish_reason:
-            return
+    selector = ModeSelector() if mode == "auto" else None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specedge-verify") \
+        if mode != "sequential" and drafter is not None else None
+    try:
+        while True:
+            if len(state.history) >= target_kv.capacity:
+                result.finish_reason = "context"  # no room for the next token's K/V
+                return
+            k = state.choose_k()
+            step_mode = selector.choose() if selector else mode
+            step_start = time.perf_counter()
+            before = len(result.tokens)
+            if step_mode == "pipelined" and k > 0 and pool is not None:
+                block = state.step_pipelined(k, pool)
+            else:
+                step_mode = "sequential"
+                block = state.step_sequential(k)
+            if selector is not None and k > 0:
+                selector.observe(step_mode, len(result.tokens) - before, time.perf_counter() - step_start)
+            stats.overhead_s = (stats.total_s - stats.prefill_s - stats.draft_s - stats.verify_s
+                                + stats.overlap_s)
+            yield block
+            if result.finish_reason:
+                return
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -25,6 +25,8 @@ class GenerationStats:
     token_times_s: list[float] = field(default_factory=list)  # commit time of each new token, from start
     drafter: str = "none"
     mode_s: dict[str, float] = field(default_factory=dict)  # adaptive controller: seconds per mode
+    pipelined_steps: int = 0  # steps whose verify ran concurrently with the next block's draft
+    overlap_s: float = 0.0  # time draft and verify ran at once (counted in both draft_s and verify_s)
 
     @property
     def acceptance(self) -> float:
