@@ -132,6 +132,9 @@ def _generation_options(fn):
         click.option("--p-min", type=float, default=0.0, show_default=True,
                      help="Stop drafting when the draft's top probability is below this."),
         click.option("--no-speculation", is_flag=True, help="Plain decoding (the baseline)."),
+        click.option("--mode", type=click.Choice(["sequential", "pipelined", "auto"]), default="sequential",
+                     show_default=True, help="pipelined = verify-while-draft (draft and target run at once); "
+                     "auto = measure both and use the faster."),
         click.option("--threads", type=int, default=0, show_default=True, help="Threads per session (0 = ORT default)."),
         click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
         click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load."),
@@ -147,7 +150,8 @@ def _config_from(kw: dict):
     return GenerationConfig(
         max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
         seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
-        draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], chat=not kw.get("raw", False))
+        draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], mode=kw["mode"],
+        chat=not kw.get("raw", False))
 
 
 def _load(bundle: Path, kw: dict):
@@ -270,6 +274,10 @@ def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> N
                f"{spec.stats.mean_accepted_length:.2f}   k chosen: {dict(sorted(spec.stats.k_chosen.items()))}")
     if not identical:
         sys.exit(1)
+
+
+from .serve import serve  # noqa: E402
+main.add_command(serve)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ class AdaptiveK:
     unmeasured lengths are interpolated from measured ones, or start from an
     optimistic prior so that they get tried and measured.
 
+    Positions never reached yet borrow the acceptance of the deepest observed one.
+
     Probing: while k = 0 wins, no acceptance is observed, so every ``probe_every``
     plain steps it drafts once at the last positive k to refresh the estimates.
     """
@@ -81,6 +83,7 @@ class AdaptiveK:
         self.beta = beta
         self.probe_every = probe_every
         self.alpha = [self.PRIOR_ACCEPTANCE] * max_k
+        self.observed = 0  # positions 0..observed-1 have had at least one outcome
         self.profile = profile or CostProfile()
         self._plain_streak = 0
         self._last_positive_k = start_k if start_k else min(4, max_k)
@@ -107,9 +110,13 @@ class AdaptiveK:
         return base * (1 + self.PRIOR_VERIFY_SLOPE * (n - 1))
 
     def expected_tokens(self, k: int) -> float:
+        # Positions never reached yet borrow the acceptance of the deepest observed one:
+        # acceptance varies slowly with depth, and a fixed prior there would pin k below
+        # the first unexplored position forever.
+        deepest = self.observed - 1
         total, reach = 1.0, 1.0
         for i in range(k):
-            reach *= self.alpha[i]
+            reach *= self.alpha[i] if i <= deepest or deepest < 0 else self.alpha[deepest]
             total += reach
         return total
 
@@ -150,6 +157,9 @@ class AdaptiveK:
             self.profile.draft_token_s = per_token if old_d is None else (1 - b) * old_d + b * per_token
             reached = min(n_accepted + 1, n_drafted)  # positions whose outcome the step observed
             for i in range(reached):
+                if i >= self.observed > 0:
+                    self.alpha[i] = self.alpha[self.observed - 1]  # start from what it borrowed
                 outcome = 1.0 if i < n_accepted else 0.0
                 self.alpha[i] = (1 - b) * self.alpha[i] + b * outcome
+            self.observed = max(self.observed, reached)
         self.mode_s["speculative" if n_drafted else "plain"] += draft_s + verify_s

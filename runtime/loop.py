@@ -189,7 +189,9 @@ class _Run:
 
         future = pool.submit(run_verify)
         # Draft block n+1 while the target verifies block n, assuming block n is accepted whole.
-        ahead = self.drafter.propose(np.concatenate([arr, proposal.tokens]), k)
+        # One extra token: the first is the guess of the target's bonus token, the other k
+        # become block n+1's proposal when the guess holds.
+        ahead = self.drafter.propose(np.concatenate([arr, proposal.tokens]), k + 1)
         t2 = time.perf_counter()
         logits, verify_busy = future.result()
         t3 = time.perf_counter()

@@ -1,0 +1,96 @@
+"""The configurations a bench compares, and how a ``--configs`` list names them.
+
+Names: ``baseline`` (plain decoding through the same engine), ``<drafter>-k<k>``
+(fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
+0 included), with drafter one of model, ngram, composite.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import InvalidParameterError
+
+SPEC_DRAFTERS = ("model", "ngram", "composite")
+DEFAULT_K_SWEEP = (2, 4, 6, 8)
+BASELINE = "baseline"
+_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))$")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    drafter: str | None = None  # None = baseline (speculation off)
+    draft_tokens: int | None = None  # fixed k; None with a drafter = adaptive
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.drafter is not None and self.draft_tokens is None
+
+    def generation_config(self, max_new_tokens: int, chat: bool = True):
+        """The GenerationConfig for this configuration (greedy: outputs must equal the baseline's)."""
+        from ..runtime.generator import GenerationConfig
+
+        if not self.speculative:
+            return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat)
+        if self.adaptive:
+            return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat)
+        return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter,
+                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat)
+
+
+def parse_config_name(name: str) -> BenchConfig:
+    """``baseline`` | ``model-k4`` | ``ngram-adaptive`` ... -> BenchConfig."""
+    if name == BASELINE:
+        return BenchConfig(BASELINE)
+    m = _NAME.match(name)
+    if not m:
+        raise InvalidParameterError(f"unknown bench configuration {name!r}; use baseline, <drafter>-k<k> or "
+                                    f"<drafter>-adaptive with drafter one of {', '.join(SPEC_DRAFTERS)}")
+    drafter, k = m.group(1), m.group(3)
+    if k is not None and int(k) < 1:
+        raise InvalidParameterError(f"{name!r}: a fixed draft length must be >= 1 (k=0 is the baseline)")
+    return BenchConfig(name, drafter, int(k) if k is not None else None)
+
+
+def expand_configs(spec: str | None, *, has_draft: bool, max_draft_tokens: int,
+                   k_sweep: tuple[int, ...] = DEFAULT_K_SWEEP) -> tuple[list[BenchConfig], list[str]]:
+    """Resolve a comma list into configurations, baseline first; returns (configs, notes).
+
+    ``None`` or ``all``: every available drafter x (the k sweep + adaptive). A bare
+    drafter name expands to its sweep + adaptive. Drafters that need a draft model are
+    dropped (with a note) when the bundle has none, as are k above max_draft_tokens.
+    """
+    notes: list[str] = []
+    tokens = [t.strip() for t in (spec or "all").split(",") if t.strip()]
+    names: list[str] = []
+    for token in tokens:
+        drafters = SPEC_DRAFTERS if token == "all" else (token,) if token in SPEC_DRAFTERS else ()
+        if drafters:
+            for d in drafters:
+                names += [f"{d}-k{k}" for k in k_sweep] + [f"{d}-adaptive"]
+        else:
+            names.append(token)
+    configs = [BenchConfig(BASELINE)]
+    seen = {BASELINE}
+    no_draft: list[str] = []
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        config = parse_config_name(name)
+        if config.drafter in ("model", "composite") and not has_draft:
+            no_draft.append(name)
+            continue
+        if config.draft_tokens is not None and config.draft_tokens > max_draft_tokens:
+            notes.append(f"{name}: skipped, k > the bundle's max_draft_tokens ({max_draft_tokens})")
+            continue
+        configs.append(config)
+    if no_draft:
+        notes.append(f"skipped {', '.join(no_draft)}: the bundle has no draft model")
+    return configs, notes

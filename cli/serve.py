@@ -1,0 +1,71 @@
+"""``specedge serve``: parse options, load the bundle, run uvicorn. Nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+DEFAULT_QUEUE_SIZE = 16  # keep in step with server.app.DEFAULT_QUEUE_SIZE (not imported: starlette may be absent)
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. The default is loopback only; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (also $SPECEDGE_API_KEY).")
+@click.option("--model-name", default=None, help="The model id clients send (default: the bundle folder's name).")
+@click.option("--queue-size", type=click.IntRange(min=0), default=DEFAULT_QUEUE_SIZE, show_default=True,
+              help="Requests that may wait while one generates; the next gets 429.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Threads per ONNX Runtime session (0 = ORT default).")
+@click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True)
+@click.option("--no-speculation", is_flag=True, help="Plain decoding for every request (the baseline); "
+              "the draft model is not loaded.")
+@click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
+@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
+          max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
+          no_verify_checksums: bool, log_level: str) -> None:
+    """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
+
+    \b
+    One model, one generation at a time; requests wait in a FIFO queue.
+      specedge serve bundles/smollm2 --port 8000
+      curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    Needs the serve extra: pip install 'specedge[serve]'.
+    """
+    try:
+        import uvicorn
+
+        from ..server.app import create_app
+    except ImportError as exc:
+        raise click.ClickException(f"specedge serve needs the serve extra ({exc.name} is missing): "
+                                   "pip install 'specedge[serve]'") from None
+    from ..runtime.generator import Generator
+
+    if api_key is not None and not api_key:
+        raise click.BadParameter("must not be empty", param_hint="--api-key")
+    if host not in LOOPBACK and api_key is None:
+        click.secho(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
+                    fg="yellow", err=True)
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     specedge: %(message)s"))  # uvicorn's look
+    server_log = logging.getLogger("specedge.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(log_level.upper())
+    generator = Generator.from_bundle(bundle, provider=provider, threads=threads,
+                                      verify_checksums=not no_verify_checksums, load_draft=not no_speculation)
+    app = create_app(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
+                     model_name=model_name, speculation=not no_speculation, warmup=not no_warmup)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,268 @@
+"""The HTTP layer: an OpenAI-compatible Starlette app over one Generator.
+
+Routes::
+
+    POST /v1/chat/completions   messages -> chat.completion (or SSE chat.completion.chunk)
+    POST /v1/completions        prompt   -> text_completion (or SSE text_completion chunks)
+    GET  /v1/models             the one model served
+    GET  /health                liveness + queue state (no API key needed)
+
+Every error is answered in OpenAI's format with a 4xx status when the client
+caused it: 400 bad parameters or JSON, 401 API key, 404 model or route, 413 body
+too large, 429 queue full. Generation runs on the single worker thread
+(server/worker.py); this module only parses, queues and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..runtime.generator import Generator
+from . import protocol
+from .protocol import APIError, ParsedRequest
+from .worker import GenerationWorker, Job, QueueFull
+
+log = logging.getLogger("specedge.server")
+
+DEFAULT_QUEUE_SIZE = 16  # waiting requests; on one device a deeper queue is only a longer wait
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more is a mistake or an attack
+RETRY_AFTER_S = 1  # what a 429 suggests; one short generation usually frees a slot
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _sse(data: dict | str) -> str:
+    """One server-sent event; compact JSON keeps each chunk small for per-block streaming."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends.
+
+    Starlette stops iterating when the client disconnects (it listens for
+    ``http.disconnect`` while streaming); the ``finally`` then frees the worker.
+    On a normal end the job has finished and the cancel is a no-op.
+    """
+
+    def __init__(self, content, worker: GenerationWorker, job: Job, headers: dict) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._worker = worker
+        self._job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._worker.cancel(self._job)
+
+
+class _Server:
+    """The route handlers, closed over one generator and one worker."""
+
+    def __init__(self, generator: Generator, *, api_key: str | None, queue_size: int, max_body_bytes: int,
+                 model_name: str, speculation: bool) -> None:
+        self.generator = generator
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.model_name = model_name
+        self.speculation = speculation
+        self.worker = GenerationWorker(generator, queue_size)
+        self.started = int(time.time())
+
+    # ----------------------------------------------------------------- checks
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _json_body(self, request: Request) -> dict:
+        too_big = APIError(413, f"request body is larger than {self.max_body_bytes} bytes "
+                                "(the server's --max-body-bytes)", code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_big  # refuse before reading a byte of it
+        body = bytearray()
+        async for part in request.stream():  # chunked bodies have no content-length: count as they come
+            body += part
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return data
+
+    # ----------------------------------------------------------------- routes
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": self.model_name, "speculation": self.speculation,
+                             "drafter": self.generator.manifest.speculation.drafter
+                             if self.speculation else "none", **self.worker.status()})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specedge",
+                "max_model_len": self.generator.max_context}
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        if request.path_params["model_id"] != self.model_name:
+            raise APIError(404, f"The model {request.path_params['model_id']!r} does not exist",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request):
+        return await self._complete(request, "completion")
+
+    async def _complete(self, request: Request, kind: str):
+        self._authorize(request)
+        body = await self._json_body(request)
+        req = protocol.parse_request(kind, body, self.generator, model_name=self.model_name,
+                                     speculation=self.speculation)
+        job = Job(asyncio.get_running_loop(), req.prompt_ids, req.config, name=req.id)
+        try:
+            self.worker.submit(job)
+        except QueueFull as exc:
+            raise APIError(429, f"the server is busy: {exc}; retry shortly", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        headers = {"x-request-id": req.id}
+        if req.stream:
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(self._stream(req, job), self.worker, job, headers)
+        result = await self._collect(request, job)
+        if result is None:  # the client left; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(protocol.completion_body(req, result, job.queue_s), headers=headers)
+
+    async def _stream(self, req: ParsedRequest, job: Job):
+        """SSE body: deltas as blocks commit, a finishing chunk, optional usage, ``[DONE]``."""
+        if req.kind == "chat":
+            yield _sse(protocol.chunk(req, role=True))
+        while True:
+            kind, value = await job.events.get()
+            if kind == "delta":
+                yield _sse(protocol.chunk(req, text=value))
+            elif kind == "done":
+                yield _sse(protocol.chunk(req, result=value, queue_s=job.queue_s))
+                if req.include_usage:
+                    yield _sse(protocol.usage_chunk(req, value))
+                break
+            else:  # the status line is long gone: report the error in-band, as OpenAI does
+                yield _sse(protocol.api_error_from(value).body())
+                break
+        yield _sse("[DONE]")
+
+    async def _collect(self, request: Request, job: Job):
+        """Wait for a non-streaming job; cancel it if the client disconnects first."""
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.worker.cancel(job)
+            job.events.put_nowait(("gone", None))
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            while True:
+                kind, value = await job.events.get()
+                if kind == "done":
+                    return value
+                if kind == "error":
+                    raise protocol.api_error_from(value)
+                if kind == "gone":
+                    return None
+        finally:
+            watcher.cancel()
+            self.worker.cancel(job)  # no-op unless this handler itself was cancelled
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Routing errors (404 unknown path, 405 wrong method) in the same format as the rest.
+    return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                    code="not_found" if exc.status_code == 404 else "method_not_allowed"))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error_response(protocol.api_error_from(exc))
+
+
+def create_app(generator: Generator, *, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
+               speculation: bool = True, warmup: bool = True) -> Starlette:
+    """An OpenAI-compatible app serving ``generator``.
+
+    ``api_key``: when set, /v1/* needs ``Authorization: Bearer <api_key>``.
+    ``queue_size``: requests that may wait while one generates; more get 429.
+    ``max_body_bytes``: larger request bodies get 413.
+    ``model_name``: the id clients pass as ``model`` (default: the bundle folder's name).
+    ``speculation``: False forces plain decoding for every request (the baseline).
+    ``warmup``: run every session once at startup (``Generator.warmup()``), so the
+    first request pays no session setup.
+    """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1; got {max_body_bytes!r}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be a non-empty string or None")
+    server = _Server(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
+                     model_name=model_name or generator.bundle.name, speculation=speculation)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.worker.start()
+        if warmup:
+            await asyncio.to_thread(_warmup, generator)
+        yield
+        await asyncio.to_thread(server.worker.stop)
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+    app.state.server = server
+    app.state.worker = server.worker
+    return app
+
+
+def _warmup(generator: Generator) -> None:
+    """Sessions first (the expensive part), then the chat template's one-time compile."""
+    t0 = time.perf_counter()
+    generator.warmup()
+    if generator.codec.chat_template:
+        with contextlib.suppress(Exception):  # a template that rejects this probe still compiled
+            generator.codec.render_chat([{"role": "user", "content": "hi"}])
+    log.info("warm-up done in %.2f s", time.perf_counter() - t0)

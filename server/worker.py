@@ -1,0 +1,196 @@
+"""One model, one device, one generation at a time: the worker thread and its FIFO queue.
+
+A Generator owns one KV cache per model, so generations cannot overlap; running
+them on a single dedicated thread (not the event loop, not a pool) keeps the
+loop free to accept, stream and reject while a generation runs, and makes the
+order of service the order of arrival.
+
+Bridge: the worker pushes ``(kind, value)`` events onto each job's asyncio.Queue
+with ``loop.call_soon_threadsafe``, the only thread-safe way into an asyncio loop.
+Events, in order: zero or more ``("delta", str)``, then exactly one
+``("done", GenerationResult)`` or ``("error", Exception)``.
+
+Cancellation: ``cancel(job)`` takes a waiting job out of the queue at once (its
+slot is free for the next request), or asks a running one to stop at its next
+block boundary (``TextStream.cancel()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+
+from ..runtime.generator import GenerationConfig, Generator, TextStream
+
+log = logging.getLogger("specedge.server")
+
+
+class QueueFull(Exception):
+    """Every waiting slot is taken; the request is refused (HTTP 429)."""
+
+
+class Job:
+    """One admitted request: what to generate, and the channel its events go back on."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], config: GenerationConfig,
+                 name: str = "") -> None:
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.name = name  # the request id, for logs
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.enqueued_at = time.perf_counter()
+        self.started_at: float | None = None  # when the worker picked it up
+        self._loop = loop
+        self._cancelled = threading.Event()
+        self._stream: TextStream | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds spent waiting behind other requests."""
+        return (self.started_at or time.perf_counter()) - self.enqueued_at
+
+    def _cancel(self) -> None:
+        self._cancelled.set()
+        stream = self._stream  # read once: the worker may be setting it right now
+        if stream is not None:
+            stream.cancel()
+
+    def _emit(self, kind: str, value) -> bool:
+        """Hand an event to the loop thread; False when the loop is gone (server shutting down)."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            return True
+        except RuntimeError:  # loop closed: nobody is listening any more
+            self._cancel()
+            return False
+
+
+class GenerationWorker:
+    """The single thread that runs generations, first come first served, from a bounded queue.
+
+    ``queue_size``: requests that may wait while one runs; the next one gets QueueFull.
+    """
+
+    def __init__(self, generator: Generator, queue_size: int) -> None:
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+            raise ValueError(f"queue_size must be an integer >= 0; got {queue_size!r}")
+        self.generator = generator
+        self.queue_size = queue_size
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # Counters for /health; only ever incremented, under _cond.
+        self.counters = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0, "failed": 0}
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._serve, name="specedge-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is running, refuse what waits, and join the thread."""
+        with self._cond:
+            self._stopping = True
+            waiting = list(self._pending)
+            self._pending.clear()
+            if self._running is not None:
+                self._running._cancel()
+            self._cond.notify_all()
+            thread = self._thread
+        for job in waiting:
+            job._cancel()
+            job._emit("error", RuntimeError("the server is shutting down"))
+        if thread is not None:
+            thread.join(timeout)
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, job: Job) -> None:
+        """Queue a job behind the ones already waiting; raise QueueFull when every slot is taken."""
+        self.start()
+        with self._cond:
+            # Count the running job too, so the moment the worker takes a job from the
+            # queue (under this lock) never changes whether the next request fits.
+            admitted = len(self._pending) + (self._running is not None)
+            if admitted >= self.queue_size + 1:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{len(self._pending)} requests are already waiting (queue size {self.queue_size})")
+            self.counters["admitted"] += 1
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: free its slot now if it waits, stop it at the next block if it runs.
+
+        A no-op for a job that already finished.
+        """
+        with self._cond:
+            try:
+                self._pending.remove(job)
+                self.counters["cancelled"] += 1
+            except ValueError:
+                pass  # running or finished: the worker counts it
+        job._cancel()
+
+    def status(self) -> dict:
+        with self._cond:
+            return {"busy": self._running is not None, "waiting": len(self._pending),
+                    "queue_size": self.queue_size, **self.counters}
+
+    # ----------------------------------------------------------------- the thread
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._pending.popleft()
+                self._running = job
+            outcome = "failed"
+            try:
+                outcome = self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self.counters[outcome] += 1
+
+    def _run(self, job: Job) -> str:
+        """Generate one job, streaming its deltas; return the counter it lands in."""
+        job.started_at = time.perf_counter()
+        if job.cancelled:
+            return "cancelled"
+        try:
+            stream = self.generator.stream(input_ids=job.prompt_ids, config=job.config)
+            job._stream = stream
+            if job.cancelled:  # cancel() ran between the check above and the assignment
+                stream.cancel()
+            for delta in stream:
+                if not job._emit("delta", delta):
+                    stream.cancel()
+            result = stream.result
+        except Exception as exc:  # reported to its client; the worker serves the next job
+            log.exception("generation %s failed", job.name)
+            job._emit("error", exc)
+            return "failed"
+        job._emit("done", result)
+        if result.finish_reason == "cancelled":
+            log.info("%s cancelled after %d tokens (client disconnected)", job.name, len(result.token_ids))
+            return "cancelled"
+        s = result.stats
+        log.info("%s: %d+%d tokens, queue %.0f ms, TTFT %.0f ms, %.1f tok/s, drafter %s, acceptance %.2f",
+                 job.name, len(result.prompt_ids), len(result.token_ids), job.queue_s * 1e3,
+                 s.time_to_first_token_s * 1e3, s.tokens_per_s, s.drafter, s.acceptance)
+        return "completed"

@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random-weight HF folders and the bundles exported from them.
+
+Everything heavy is session-scoped and memoised: a model folder is built once per
+(arch, seed, options), a bundle is exported once per (target, draft, options), and
+a Generator is loaded once per bundle. Tests that mutate a bundle copy it first.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tiny_models import build_model
+
+# Seeds whose greedy continuation of PROMPT_IDS runs 64 tokens without meeting EOS (id 1),
+# so the decode oracle compares long sequences. Found by running transformers' greedy once.
+ARCH_SEEDS = {"llama": 0, "qwen2": 1, "gpt2": 0}
+ARCHS = tuple(ARCH_SEEDS)
+PROMPT_IDS = list(range(6, 26))  # 20 plain words, no chat template
+MAX_CONTEXT = 256  # = the tiny gpt2's learned positions
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """``tiny_model(arch, seed=ARCH_SEEDS[arch], **build_model options) -> folder`` (memoised)."""
+    import torch
+
+    torch.set_num_threads(1)  # the reference forwards are tiny; spare the shared cores
+    root = tmp_path_factory.mktemp("models")
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, seed: int | None = None, **options) -> Path:
+        seed = ARCH_SEEDS[arch] if seed is None else seed
+        key = (arch, seed, tuple(sorted((k, str(v)) for k, v in options.items())))
+        if key not in made:
+            made[key] = build_model(root / f"{arch}-s{seed}-{len(made)}", arch, seed, **options)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def export(tmp_path_factory) -> Callable[..., Path]:
+    """``export(target_folder, draft=None, **ExportConfig options) -> bundle folder`` (memoised)."""
+    from specedge.export.bundle import ExportConfig, export_bundle
+
+    root = tmp_path_factory.mktemp("bundles")
+    done: dict[tuple, Path] = {}
+
+    def run(target: Path, draft: str | Path | None = None, **options) -> Path:
+        options.setdefault("max_context", MAX_CONTEXT)
+        key = (str(target), str(draft), tuple(sorted(options.items())))
+        if key not in done:
+            out = root / f"bundle-{len(done)}"
+            export_bundle(ExportConfig(target=str(target), out=out, draft=None if draft is None else str(draft),
+                                       quiet=True, **options))
+            done[key] = out
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def load_generator() -> Callable[[Path], object]:
+    """``load_generator(bundle) -> Generator`` with one thread per session (memoised)."""
+    from specedge.runtime.generator import Generator
+
+    loaded: dict[Path, object] = {}
+
+    def load(bundle: Path):
+        if bundle not in loaded:
+            loaded[bundle] = Generator.from_bundle(bundle, threads=1)
+        return loaded[bundle]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def arch_bundle(tiny_model, export) -> Callable[[str], Path]:
+    """``arch_bundle(arch)``: the fp32 target-only bundle of that arch's tiny model."""
+    return lambda arch: export(tiny_model(arch))
+
+
+@pytest.fixture(scope="session")
+def llama_bundle(arch_bundle) -> Path:
+    return arch_bundle("llama")
+
+
+@pytest.fixture(scope="session")
+def self_spec_bundle(tiny_model, export) -> Path:
+    """The llama target with an fp32 draft exported from the same folder: draft == target."""
+    folder = tiny_model("llama")
+    return export(folder, draft=folder)
+
+
+@pytest.fixture(scope="session")
+def int4_bundle(tiny_model, export) -> Path:
+    """The llama target (fp32) with its own weight-only int4 copy as the draft."""
+    return export(tiny_model("llama"), draft="self-int4")
+
+
+@pytest.fixture
+def bundle_copy(tmp_path) -> Callable[[Path], Path]:
+    """``bundle_copy(bundle) -> a private copy`` for tests that edit or break files."""
+    def copy(bundle: Path) -> Path:
+        return Path(shutil.copytree(bundle, tmp_path / f"copy-{bundle.name}"))
+
+    return copy

@@ -1,0 +1,171 @@
+"""Verify-while-draft (pipelined) speculation keeps output identical.
+
+Guards: greedy output in "pipelined" and "auto" modes equals plain greedy for every
+k, with a draft that disagrees often; self-speculation accepts everything; a drafter
+whose every block is rejected still yields the baseline; the discarded early drafts
+never leak into the target's cache (its committed K/V equal a plain run's) or the
+draft's (its cached tokens are a prefix of the history); and sampling in pipelined
+mode has the same token distribution as plain sampling (chi-square homogeneity).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specedge.export.bundle import ExportConfig, export_bundle
+from specedge.runtime import loop
+from specedge.runtime.controller import FixedK
+from specedge.runtime.drafters import ModelDrafter
+from specedge.runtime.generator import Generator
+from specedge.runtime.sampling import SamplingConfig
+from specedge.runtime.verify import Proposal
+
+from tiny_models import build_model
+
+PROMPT = [7, 8, 9, 10, 11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    target = build_model(root / "target", "llama", seed=11)
+    draft = build_model(root / "draft", "llama", seed=12, perturb=(target, 0.6))
+    return target, draft, root
+
+
+@pytest.fixture(scope="module")
+def gen(folders):
+    target, draft, root = folders
+    out = root / "bundle"
+    export_bundle(ExportConfig(target=str(target), draft=str(draft), out=out, max_context=256, quiet=True))
+    return Generator.from_bundle(out)
+
+
+@pytest.fixture(scope="module")
+def self_gen(folders):
+    target, _, root = folders
+    out = root / "self"
+    export_bundle(ExportConfig(target=str(target), draft=str(target), out=out, max_context=256, quiet=True))
+    return Generator.from_bundle(out)
+
+
+@pytest.fixture(scope="module")
+def baseline(gen):
+    return gen.generate(input_ids=PROMPT, max_new_tokens=60, speculation=False).token_ids
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "auto"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_pipelined_greedy_equals_plain(gen, baseline, mode, k):
+    r = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=k, mode=mode)
+    assert r.token_ids == baseline
+    assert r.stats.accepted <= r.stats.drafted
+    if mode == "pipelined":
+        assert r.stats.pipelined_steps > 0
+        assert r.stats.drafted > r.stats.accepted, "the perturbed draft must be corrected sometimes"
+
+
+def test_pipelined_self_speculation_accepts_everything(self_gen):
+    plain = self_gen.generate(input_ids=PROMPT, max_new_tokens=50, speculation=False).token_ids
+    r = self_gen.generate(input_ids=PROMPT, max_new_tokens=50, draft_tokens=4, mode="pipelined")
+    assert r.token_ids == plain
+    assert r.stats.acceptance == 1.0
+    assert r.stats.pipelined_steps > 0
+
+
+def test_pipelined_adaptive_equals_plain(gen, baseline):
+    assert gen.generate(input_ids=PROMPT, max_new_tokens=60, mode="pipelined").token_ids == baseline
+
+
+class AlwaysWrong:
+    """Knows the baseline and proposes a wrong first token every block."""
+
+    name = "always-wrong"
+
+    def __init__(self, baseline, prompt_len, vocab):
+        self.baseline, self.prompt_len, self.vocab = baseline, prompt_len, vocab
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, history, k):
+        pos = len(history) - self.prompt_len
+        true_next = self.baseline[pos] if pos < len(self.baseline) else 0
+        wrong = [(true_next + 1 + i) % self.vocab for i in range(k)]
+        return Proposal(np.array(wrong, np.int64))
+
+    def accept(self, history, n_accepted):
+        assert n_accepted == 0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+def test_every_block_rejected_still_equals_plain(gen, baseline, mode):
+    drafter = AlwaysWrong(baseline, len(PROMPT), gen.manifest.target.vocab_size)
+    result = loop.LoopResult()
+    for _ in loop.run(gen.target, gen.target_kv, np.array(PROMPT), max_new_tokens=60,
+                      eos_token_ids=gen.eos_token_ids, sampling=SamplingConfig(), rng=np.random.default_rng(0),
+                      drafter=drafter, controller=FixedK(3), result=result, mode=mode):
+        pass
+    assert result.tokens == baseline
+    assert result.stats.accepted == 0 and result.stats.drafted > 0
+
+
+def test_discarded_drafts_do_not_leak_into_caches(gen, baseline):
+    gen.generate(input_ids=PROMPT, max_new_tokens=60, speculation=False)
+    committed = gen.target_kv.length
+    plain_keys = [k[:committed].copy() for k in gen.target_kv.keys]
+    r = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=4, mode="pipelined")
+    assert r.token_ids == baseline
+    assert gen.target_kv.length <= committed + 4
+    for plain, spec in zip(plain_keys, gen.target_kv.keys):
+        # Batched and unbatched float sums differ in the last bits only.
+        np.testing.assert_allclose(spec[:committed], plain, atol=1e-5)
+
+    drafter = ModelDrafter(gen.draft, SamplingConfig(), cache=gen.draft_kv)
+    result = loop.LoopResult()
+    for _ in loop.run(gen.target, gen.target_kv, np.array(PROMPT), max_new_tokens=60,
+                      eos_token_ids=gen.eos_token_ids, sampling=SamplingConfig(), rng=np.random.default_rng(0),
+                      drafter=drafter, controller=FixedK(4), result=result, mode="pipelined"):
+        pass
+    history = PROMPT + result.tokens
+    assert drafter.cache.length == len(drafter.cached)
+    # Whatever the draft cache still holds beyond the history is an unverified early draft;
+    # everything up to the history's length must be committed tokens.
+    assert drafter.cached[:len(history)] == history[:len(drafter.cached)]
+
+
+def _chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    keep = (a + b) >= 10  # pool sparse bins: the chi-square approximation needs expected counts >= 5
+    a = np.append(a[keep], a[~keep].sum())
+    b = np.append(b[keep], b[~keep].sum())
+    if a[-1] + b[-1] == 0:
+        a, b = a[:-1], b[:-1]
+    table = np.stack([a, b]).astype(float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), len(a) - 1
+
+
+def test_pipelined_sampling_matches_plain_sampling_distribution(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe-sampling")
+    target = build_model(root / "t", "llama", seed=21, vocab_size=16)
+    draft = build_model(root / "d", "llama", seed=22, vocab_size=16, perturb=(target, 0.5))
+    export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
+    g = Generator.from_bundle(root / "b")
+    prompt = [6, 7, 8]
+    runs = 500
+    counts = {}
+    for name, kw in (("plain", {"speculation": False}), ("pipelined", {"draft_tokens": 2, "mode": "pipelined"})):
+        c = np.zeros((3, 16), int)
+        for seed in range(runs):
+            toks = g.generate(input_ids=prompt, max_new_tokens=4, temperature=1.0, seed=seed, **kw).token_ids
+            for pos in range(1, 4):
+                if pos < len(toks):
+                    c[pos - 1, toks[pos]] += 1
+        counts[name] = c
+    for pos in range(3):
+        stat, dof = _chi2_homogeneity(counts["plain"][pos], counts["pipelined"][pos])
+        # chi-square critical values at p = 0.001 for dof 1..15 (a false alarm 1 run in 1000).
+        critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
+                    36.12, 37.70][dof - 1]
+        assert stat < critical, (pos, stat, dof, counts["plain"][pos], counts["pipelined"][pos])

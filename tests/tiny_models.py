@@ -1,0 +1,160 @@
+"""Builders for the tiny random-weight models the oracle tests export (no downloads).
+
+Every model is built from a fixed seed, saved with ``save_pretrained``
+(safetensors) next to a word-level tokenizer with a small chat template, so
+the exporter sees exactly what it sees for a real Hugging Face folder.
+
+The vocabulary is ``<s> </s> <unk> user assistant system w006 w007 ...``:
+fixed-width words, so no token's text is a prefix of another's and stop-string
+tests can name a token's text unambiguously. Decoding a WordLevel tokenizer
+joins tokens with single spaces.
+
+torch and transformers are imported inside the functions: test modules that
+only need the constants (and the no-torch subprocess test) stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ("<s>", "</s>", "<unk>")
+ROLE_WORDS = ("user", "assistant", "system")
+BOS_ID, EOS_ID = 0, 1
+FIRST_WORD = len(SPECIALS) + len(ROLE_WORDS)  # id of the first "wNNN" word
+# Jinja, rendered both by transformers (the exporter copies it) and by the runtime's sandbox.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant {% endif %}")
+
+# HF initialises weights with std 0.02, which gives logits of std ~0.15 in a 64-wide
+# model: top-2 gaps of ~1e-2 would make greedy argmax fragile under fp32 reordering.
+# std 0.15 gives logits of std ~2, far-apart top-2 logits, and still-spread softmaxes.
+INIT_STD = 0.15
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2  # GQA: two query heads per kv head (gpt2 has no GQA)
+N_POSITIONS = 256  # gpt2's learned position table; bundles use max_context <= this
+
+
+def word(token_id: int) -> str:
+    """The text of a token id in the tiny vocabulary."""
+    if token_id < len(SPECIALS):
+        return SPECIALS[token_id]
+    if token_id < FIRST_WORD:
+        return ROLE_WORDS[token_id - len(SPECIALS)]
+    return f"w{token_id:03d}"
+
+
+def vocab(size: int) -> dict[str, int]:
+    return {word(i): i for i in range(size)}
+
+
+def save_tokenizer(out: Path, size: int, eos_id: int = EOS_ID) -> None:
+    """A WordLevel tokenizer over ``size`` words, saved as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab(size), unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token=word(eos_id),
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _config(arch: str, vocab_size: int, eos_id: int) -> Any:
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=eos_id, initializer_range=INIT_STD)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                           tie_word_embeddings=False, **common)
+    if arch == "qwen2":
+        # Qwen2: q/k/v projections carry biases, embeddings tied to the output layer.
+        return Qwen2Config(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                           tie_word_embeddings=True, use_sliding_window=False, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=N_POSITIONS,
+                          activation_function="gelu_new", **common)
+    raise ValueError(f"unknown tiny arch {arch!r}")
+
+
+def _model_class(arch: str) -> Any:
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
+
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gpt2": GPT2LMHeadModel}[arch]
+
+
+def build_model(out: Path, arch: str, seed: int, *, vocab_size: int = 300, tokenizer_size: int | None = None,
+                eos_id: int = EOS_ID, perturb: tuple[Path, float] | None = None) -> Path:
+    """Write a tiny random model folder (safetensors + tokenizer) to ``out``; return ``out``.
+
+    ``perturb=(folder, scale)``: start from the weights saved in ``folder`` and add
+    Gaussian noise of ``scale`` times each tensor's std, drawn from ``seed``. That gives
+    a draft that agrees with its target often but not always.
+    """
+    import torch
+
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    torch.manual_seed(seed)
+    cls = _model_class(arch)
+    model = cls(_config(arch, vocab_size, eos_id)).eval()
+    gen = torch.Generator().manual_seed(seed + 10_000)
+    with torch.no_grad():
+        if perturb is not None:
+            src, scale = perturb
+            model.load_state_dict(cls.from_pretrained(str(src), dtype=torch.float32).state_dict())
+            for p in model.parameters():
+                p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+        else:
+            # HF zero-initialises biases and sets norm weights to 1; random values make
+            # the tests prove the exporter reads them (qwen2's qkv bias, gpt2's LayerNorm).
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(INIT_STD * torch.randn(p.shape, generator=gen))
+                elif "norm" in name or ".ln_" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(out))
+    save_tokenizer(out, tokenizer_size or vocab_size, eos_id)
+    return out
+
+
+def load_hf(folder: Path) -> Any:
+    """The transformers model of a tiny folder, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding (stops after the config's EOS, like specedge)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.config.eos_token_id, attention_mask=torch.ones(1, len(input_ids),
+                                                                                              dtype=torch.long))
+    return out[0, len(input_ids):].tolist()
+
+
+def edit_manifest(bundle: Path, edit) -> dict:
+    """Apply ``edit(obj)`` to bundle/manifest.json in place (manifest.json has no checksum of its own)."""
+    path = Path(bundle) / "manifest.json"
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj, indent=2))
+    return obj
+
+
+def copy_bundle(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
