@@ -27,6 +27,7 @@ FORMAT_NAME = "specedge-bundle"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
+ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
 KV_DTYPES = ("float32", "float16")
 DRAFTERS = ("none", "model", "ngram", "composite")
 
@@ -44,6 +45,11 @@ class ModelIO:
     Outputs: ``logits`` float32 [1, num_logits, vocab], ``new_key``/``new_value``
     [n, n_kv_heads, head_dim] (the K/V of the n new tokens, which the engine writes
     into the loop-owned cache).
+
+    With ``attention == "gqa"`` the cache is head-major ``[1, n_kv_heads, max_context,
+    head_dim]``, bound both as ``past_*`` input and ``present_*`` output (one buffer,
+    written in place), with ``seqlens_k`` int32 [1] = total length - 1 and
+    ``total_sequence_length`` int32 scalar.
     """
 
     input_ids: str = "input_ids"
@@ -54,6 +60,11 @@ class ModelIO:
     past_value: str = "past_value.%d"
     new_key: str = "new_key.%d"
     new_value: str = "new_value.%d"
+    # attention == "gqa" only: the shared past/present cache and its length inputs.
+    present_key: str = "present_key.%d"
+    present_value: str = "present_value.%d"
+    seqlens_k: str = "seqlens_k"
+    total_sequence_length: str = "total_sequence_length"
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,7 @@ class ModelEntry:
     kv_dtype: str = "float32"
     data_files: tuple[str, ...] = ()
     tokenizer_sha256: str = ""  # sha256 of the source's tokenizer.json, to prove draft and target share it
+    attention: str = "standard"  # one of ATTENTIONS; decides the KV cache layout
     io: ModelIO = field(default_factory=ModelIO)
 
 
@@ -189,7 +201,7 @@ def _parse_io(obj: dict[str, Any], where: str) -> ModelIO:
     values = {}
     for key in asdict(defaults):
         values[key] = _get(obj, key, where, str, optional=True, default=getattr(defaults, key))
-    for key in ("past_key", "past_value", "new_key", "new_value"):
+    for key in ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value"):
         if values[key].count("%d") != 1:
             raise ManifestError(f"manifest field '{where}.{key}' must contain exactly one '%d' (layer index)")
     return ModelIO(**values)
@@ -224,6 +236,8 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         eos_token_ids=tuple(eos),
         data_files=tuple(data_files),
         tokenizer_sha256=_get(obj, "tokenizer_sha256", where, str, optional=True, default=""),
+        attention=_choice(_get(obj, "attention", where, str, optional=True, default="standard"), ATTENTIONS,
+                          f"{where}.attention"),
         io=_parse_io(io, f"{where}.io"),
         **ints,
     )

@@ -93,12 +93,15 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
+@click.option("--attention", type=click.Choice(["gqa", "standard"]), default="gqa", show_default=True,
+              help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
+              "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, max_context, max_draft_tokens, block_size,
-           accuracy_level, trust_pickle, overwrite, quiet, as_json) -> None:
+           accuracy_level, attention, trust_pickle, overwrite, quiet, as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
     Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
@@ -110,7 +113,8 @@ def export(target, draft, out, precision, draft_precision, max_context, max_draf
     manifest = export_bundle(ExportConfig(
         target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
         max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
-        accuracy_level=accuracy_level, trust_pickle=trust_pickle, overwrite=overwrite, quiet=quiet))
+        accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
+        quiet=quiet))
     if as_json:
         click.echo(json.dumps(manifest.to_json()["extra"] | {"out": str(out)}, indent=2))
 
@@ -278,6 +282,10 @@ def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> N
 
 from .serve import serve  # noqa: E402
 main.add_command(serve)
+
+from .bench import bench  # noqa: E402
+
+main.add_command(bench)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,23 @@ def _ort(entry: ModelEntry, graph: Path, options: EngineOptions) -> Engine:
     return OrtEngine(entry, graph, options)
 
 
-BACKENDS: dict[str, Callable[[ModelEntry, Path, EngineOptions], Engine]] = {"onnxruntime": _ort}
+def _ort_gpu(entry: ModelEntry, graph: Path, options: EngineOptions) -> Engine:
+    from .ort_cuda import create_ort_gpu_engine
+
+    return create_ort_gpu_engine(entry, graph, options)
+
+
+def _tensorrt(entry: ModelEntry, graph: Path, options: EngineOptions) -> Engine:
+    from .tensorrt import create_tensorrt_engine
+
+    return create_tensorrt_engine(entry, graph, options)
+
+
+BACKENDS: dict[str, Callable[[ModelEntry, Path, EngineOptions], Engine]] = {
+    "onnxruntime": _ort,
+    "onnxruntime-gpu": _ort_gpu,  # CUDA / TensorRT EP with a device-resident KV cache
+    "tensorrt": _tensorrt,  # a native TensorRT plan the bundle records
+}
 
 
 def create_engine(entry: ModelEntry, graph: Path, options: EngineOptions = EngineOptions(),

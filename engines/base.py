@@ -48,16 +48,24 @@ class EngineOptions:
                                         f"got {self.graph_optimization!r}")
 
 
+KV_LAYOUTS = ("position-major", "head-major")
+
+
 class KVCache:
     """Preallocated per-layer K/V buffers with a committed ``length``.
 
     ``keys[i]`` and ``values[i]``: ndarray ``[capacity, n_kv_heads, head_dim]``
-    (dtype float32 or float16). Allocated once and reused across generations.
+    ("position-major", the standard graph) or ``[1, n_kv_heads, capacity, head_dim]``
+    ("head-major", the fused GQA graph, which writes in place at the length it is
+    given). dtype float32 or float16. Allocated once and reused across generations.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: np.dtype = np.float32) -> None:
-        shape = (capacity, n_kv_heads, head_dim)
+                 dtype: np.dtype = np.float32, layout: str = "position-major") -> None:
+        if layout not in KV_LAYOUTS:
+            raise InvalidParameterError(f"KV layout must be one of {KV_LAYOUTS}; got {layout!r}")
+        self.layout = layout
+        shape = (capacity, n_kv_heads, head_dim) if layout == "position-major" else (1, n_kv_heads, capacity, head_dim)
         self.keys = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.values = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.capacity = capacity

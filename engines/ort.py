@@ -75,8 +75,10 @@ class OrtEngine:
             raise BackendUnavailableError(f"ONNX Runtime did not enable {options.provider!r} for this model")
         self._check_io()
         io = entry.io
+        self._gqa = entry.attention == "gqa"
         self._past_names = [(io.past_key % i, io.past_value % i) for i in range(entry.n_layers)]
-        self._new_names = [(io.new_key % i, io.new_value % i) for i in range(entry.n_layers)]
+        self._new_names = [((io.present_key if self._gqa else io.new_key) % i,
+                            (io.present_value if self._gqa else io.new_value) % i) for i in range(entry.n_layers)]
         self._device = "cpu" if options.provider == "cpu" else "cuda"
         # Logits buffer for the largest call we make per step; prefill asks for 1 row.
         self._logits = np.empty((1, 1, entry.vocab_size), np.float32)
@@ -87,9 +89,12 @@ class OrtEngine:
         have_out = {o.name for o in self.session.get_outputs()}
         need_in = {io.input_ids, io.positions, io.num_logits}
         need_out = {io.logits}
+        gqa = self.entry.attention == "gqa"
+        if gqa:
+            need_in |= {io.seqlens_k, io.total_sequence_length}
         for i in range(self.entry.n_layers):
             need_in |= {io.past_key % i, io.past_value % i}
-            need_out |= {io.new_key % i, io.new_value % i}
+            need_out |= {io.present_key % i, io.present_value % i} if gqa else {io.new_key % i, io.new_value % i}
         missing = sorted(need_in - have_in) + sorted(need_out - have_out)
         if missing:
             raise ModelLoadError(f"graph {self.entry.graph} lacks tensors the manifest names: {missing[:6]}; "
@@ -97,7 +102,8 @@ class OrtEngine:
 
     def new_cache(self) -> KVCache:
         e = self.entry
-        return KVCache(e.n_layers, e.n_kv_heads, e.head_dim, e.max_context, self._kv_dtype)
+        return KVCache(e.n_layers, e.n_kv_heads, e.head_dim, e.max_context, self._kv_dtype,
+                       layout="head-major" if self._gqa else "position-major")
 
     def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray:
         """Run n new tokens; see :class:`specedge.engines.base.Engine`. Returns a view valid until the next call."""
@@ -124,14 +130,25 @@ class OrtEngine:
         binding.bind_cpu_input(io.positions, positions)
         binding.bind_cpu_input(io.num_logits, keep)
         e = self.entry
-        row = e.n_kv_heads * e.head_dim * self._kv_dtype.itemsize  # bytes per cached position
-        past_shape = [start, e.n_kv_heads, e.head_dim]
-        new_shape = [n, e.n_kv_heads, e.head_dim]
-        for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
-            for past_name, new_name, buf in ((pk, nk, kv.keys[layer]), (pv, nv, kv.values[layer])):
-                base = buf.ctypes.data
-                binding.bind_input(past_name, "cpu", 0, self._kv_dtype.type, past_shape, base)
-                binding.bind_output(new_name, "cpu", 0, self._kv_dtype.type, new_shape, base + start * row)
+        dtype = self._kv_dtype.type
+        if self._gqa:
+            # One buffer is both past and present: GQA reads [0, start) and writes [start, start+n).
+            binding.bind_cpu_input(io.seqlens_k, np.array([start + n - 1], np.int32))
+            binding.bind_cpu_input(io.total_sequence_length, np.array(start + n, np.int32))
+            shape = list(kv.keys[0].shape)
+            for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
+                for past_name, new_name, buf in ((pk, nk, kv.keys[layer]), (pv, nv, kv.values[layer])):
+                    binding.bind_input(past_name, "cpu", 0, dtype, shape, buf.ctypes.data)
+                    binding.bind_output(new_name, "cpu", 0, dtype, shape, buf.ctypes.data)
+        else:
+            row = e.n_kv_heads * e.head_dim * self._kv_dtype.itemsize  # bytes per cached position
+            past_shape = [start, e.n_kv_heads, e.head_dim]
+            new_shape = [n, e.n_kv_heads, e.head_dim]
+            for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
+                for past_name, new_name, buf in ((pk, nk, kv.keys[layer]), (pv, nv, kv.values[layer])):
+                    base = buf.ctypes.data
+                    binding.bind_input(past_name, "cpu", 0, dtype, past_shape, base)
+                    binding.bind_output(new_name, "cpu", 0, dtype, new_shape, base + start * row)
         if self._logits.shape[1] != num_logits:
             self._logits = np.empty((1, num_logits, e.vocab_size), np.float32)
         binding.bind_output(io.logits, "cpu", 0, np.float32, list(self._logits.shape), self._logits.ctypes.data)
@@ -141,6 +158,17 @@ class OrtEngine:
     def _run_plain(self, ids, positions, keep, kv: KVCache, start: int, n: int) -> np.ndarray:
         io = self.entry.io
         feed = {io.input_ids: ids, io.positions: positions, io.num_logits: keep}
+        if self._gqa:
+            feed[io.seqlens_k] = np.array([start + n - 1], np.int32)
+            feed[io.total_sequence_length] = np.array(start + n, np.int32)
+            for layer, (pk, pv) in enumerate(self._past_names):
+                feed[pk], feed[pv] = kv.keys[layer], kv.values[layer]
+            names = [io.logits] + [name for pair in self._new_names for name in pair]
+            outs = self.session.run(names, feed)
+            for layer in range(self.entry.n_layers):  # without binding ORT returns fresh copies
+                kv.keys[layer][...] = outs[1 + 2 * layer]
+                kv.values[layer][...] = outs[2 + 2 * layer]
+            return outs[0]
         for layer, (pk, pv) in enumerate(self._past_names):
             feed[pk] = kv.keys[layer][:start]
             feed[pv] = kv.values[layer][:start]

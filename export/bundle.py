@@ -38,6 +38,7 @@ class ExportConfig:
     max_draft_tokens: int = 8
     block_size: int = 32
     accuracy_level: int = 4
+    attention: str = "gqa"  # "gqa" = ORT's fused GroupQueryAttention (Llama family); "standard" = plain ops
     trust_pickle: bool = False
     overwrite: bool = False
     quiet: bool = False
@@ -48,6 +49,8 @@ class ExportConfig:
                 raise InvalidParameterError(f"{name} must be one of fp32, fp16, int4, int8; got {value!r}")
         if not 16 <= self.max_context <= 1 << 20:
             raise InvalidParameterError(f"max_context must be in [16, 1048576]; got {self.max_context}")
+        if self.attention not in ("gqa", "standard"):
+            raise InvalidParameterError(f"attention must be gqa or standard; got {self.attention!r}")
         if not 1 <= self.max_draft_tokens <= 64:
             raise InvalidParameterError(f"max_draft_tokens must be in [1, 64]; got {self.max_draft_tokens}")
 
@@ -71,12 +74,12 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: str, max_context: int,
-           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str) -> ModelEntry:
+           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str, attention: str) -> ModelEntry:
     return ModelEntry(graph=graph, architecture=spec.architecture, source=source, precision=precision,
                       n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                       head_dim=spec.head_dim, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                       max_context=max_context, eos_token_ids=eos, kv_dtype=kv_dtype, data_files=tuple(data_files),
-                      tokenizer_sha256=tokenizer_sha256)
+                      tokenizer_sha256=tokenizer_sha256, attention=attention)
 
 
 class _ModelExporter:
@@ -93,7 +96,8 @@ class _ModelExporter:
         if self.spec.architecture == "gpt2" and config.max_context > self.spec.max_positions:
             raise InvalidParameterError(f"max_context {config.max_context} exceeds this GPT-2 model's "
                                         f"{self.spec.max_positions} learned positions")
-        self.fp32: tuple[ModelEntry, Path] | None = None
+        # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
+        self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
         self.reports: dict = {}
 
     def _write(self, role: str, precision: str, source: str) -> ModelEntry:
@@ -107,20 +111,20 @@ class _ModelExporter:
         cfg = self.config
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
-            files = build_decoder(self.spec, self.weights, graph, dtype=dtype)
+            files = build_decoder(self.spec, self.weights, graph, dtype=dtype, attention=self.attention,
+                                  max_context=cfg.max_context)
             entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16")
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
             report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol)
             self.reports[f"{role}:{precision}"] = report.as_dict()
-            if precision == "fp32" and self.fp32 is None:
-                self.fp32 = (entry, graph)
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
         # layer, often the biggest matrix, is quantized too).
         scratch = self.root / f".{role}-fp32-src"
         scratch.mkdir(exist_ok=True)
         src_graph = scratch / "model.onnx"
-        src_files = build_decoder(self.spec, self.weights, src_graph, untie_lm_head=True)
+        src_files = build_decoder(self.spec, self.weights, src_graph, untie_lm_head=True, attention=self.attention,
+                                  max_context=cfg.max_context)
         src_entry = self._entry(role, src_files, source, "fp32", "float32")
         self.reports[f"{role}:fp32-untied"] = validate_graph(
             self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE).as_dict()
@@ -136,7 +140,7 @@ class _ModelExporter:
         rel = [str(p.relative_to(self.root)) for p in files]
         return _entry(self.spec, graph=rel[0], data_files=rel[1:], source=source, precision=precision,
                       max_context=self.config.max_context, eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype,
-                      tokenizer_sha256=self.tokenizer_sha256)
+                      tokenizer_sha256=self.tokenizer_sha256, attention=self.attention)
 
 
 def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:

@@ -80,13 +80,14 @@ class _Builder:
         self._counter += 1
         return f"{base}_{self._counter}"
 
-    def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
-        outs = [self.name(op.lower()) for _ in range(n_out)]
+    def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", out: str | None = None,
+             **attrs) -> list[str]:
+        outs = [out] if out is not None else [self.name(op.lower()) for _ in range(n_out)]
         self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(op), domain=domain, **attrs))
         return outs
 
-    def one(self, op: str, inputs: list[str], **attrs) -> str:
-        return self.node(op, inputs, **attrs)[0]
+    def one(self, op: str, inputs: list[str], out: str | None = None, **attrs) -> str:
+        return self.node(op, inputs, out=out, **attrs)[0]
 
     def const(self, name: str, array: np.ndarray) -> str:
         array = np.ascontiguousarray(array)
@@ -132,8 +133,12 @@ def _np_to_onnx(dtype: np.dtype) -> int:
     return {np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}[dtype]
 
 
+ATTENTIONS = ("standard", "gqa")
+
+
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: Path, *,
-                  dtype: np.dtype = np.float32, untie_lm_head: bool = False) -> list[Path]:
+                  dtype: np.dtype = np.float32, untie_lm_head: bool = False, attention: str = "standard",
+                  max_context: int = 2048) -> list[Path]:
     """Write ``out_path`` (.onnx) and its external data; return the files written.
 
     ``weights`` uses the canonical names of :mod:`specedge.export.weights`
@@ -145,9 +150,11 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: P
     data_path = out_path.with_name(out_path.name + ".data")
     b = _Builder(dtype=dtype, data_path=data_path)
     try:
-        graph = _decoder_graph(b, spec, weights, untie_lm_head)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="specedge")
+        graph = _decoder_graph(b, spec, weights, untie_lm_head, attention, max_context)
+        opsets = [helper.make_opsetid("", OPSET)]
+        if attention == "gqa":
+            opsets.append(helper.make_opsetid("com.microsoft", 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
         model.ir_version = 8  # readable by every ORT >= 1.14
         onnx.save_model(model, str(out_path))
     finally:
@@ -155,7 +162,8 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: P
     return [out_path] + ([data_path] if data_path.exists() else [])
 
 
-def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool) -> onnx.GraphProto:
+def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool,
+                   attention: str = "standard", max_context: int = 2048) -> onnx.GraphProto:
     kv_type = _ONNX_DTYPE[b.dtype]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "new_tokens"]),
@@ -163,12 +171,23 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
         helper.make_tensor_value_info("num_logits_to_keep", TensorProto.INT64, [1]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", s.vocab_size])]
+    gqa = attention == "gqa"
+    if gqa:
+        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+                   helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     for i in range(s.n_layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type,
-                                                        ["past_len", s.n_kv_heads, s.head_dim]))
-            outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type,
-                                                         ["new_tokens", s.n_kv_heads, s.head_dim]))
+            if gqa:
+                shape = [1, s.n_kv_heads, "max_len", s.head_dim]
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, shape))
+                outputs.append(helper.make_tensor_value_info(f"present_{kind}.{i}", kv_type, shape))
+            else:
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type,
+                                                            ["past_len", s.n_kv_heads, s.head_dim]))
+                outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type,
+                                                             ["new_tokens", s.n_kv_heads, s.head_dim]))
+    if gqa:
+        return _finish(b, s, w, untie_lm_head, inputs, outputs, _gqa_layers(b, s, w, max_context))
 
     # --- shared per-step tensors -------------------------------------------------
     ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
@@ -207,7 +226,46 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
 
     for i in range(s.n_layers):
         x = _layer(b, s, w, i, x, mask, cos, sin)
+    return _finish(b, s, w, untie_lm_head, inputs, outputs, (x, embed))
 
+
+def _gqa_layers(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], max_context: int) -> tuple[str, str]:
+    """Embedding + decoder layers with fused GroupQueryAttention; returns (hidden [n, hidden], embed)."""
+    h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
+    ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
+    embed = b.weight("embed", w["embed"])
+    x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
+    # Rotary tables for every position the cache can hold, in fp32 then cast: [max_context, hd/2].
+    angles = np.arange(max_context, dtype=np.float64)[:, None] * np.asarray(s.inv_freq, np.float64)[None, :]
+    cos_cache = b.weight("cos_cache", (np.cos(angles) * s.rope_scaling).astype(np.float32))
+    sin_cache = b.weight("sin_cache", (np.sin(angles) * s.rope_scaling).astype(np.float32))
+    for i in range(s.n_layers):
+        p = f"layers.{i}"
+        normed = _norm(b, s, x, w[f"{p}.attn_norm"], None, f"{p}.attn")
+        qkv = _linear(b, normed, w, f"{p}.qkv")
+        q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
+        q, k, v = (b.one("Unsqueeze", [t, b.ints(b.name("ax"), [0])]) for t in (q, k, v))  # [1, n, *]
+        attn = b.node("GroupQueryAttention",
+                      [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length",
+                       cos_cache, sin_cache],
+                      n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale,
+                      do_rotary=1, rotary_interleaved=0)[0]
+        # GQA's 2nd/3rd outputs are the shared cache buffers; name them as graph outputs.
+        b.nodes[-1].output.extend([f"present_key.{i}", f"present_value.{i}"])
+        attn = b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
+        x = b.one("Add", [x, _linear(b, attn, w, f"{p}.o")])
+        normed = _norm(b, s, x, w[f"{p}.mlp_norm"], None, f"{p}.mlp")
+        gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
+                                    b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
+        hidden = b.one("Mul", [b.one("Mul", [gate, b.one("Sigmoid", [gate])]), up])
+        x = b.one("Add", [x, _linear(b, hidden, w, f"{p}.down")])
+    return x, embed
+
+
+def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool, inputs: list,
+            outputs: list, hidden_and_embed: tuple[str, str]) -> onnx.GraphProto:
+    """Final norm, keep the last num_logits positions, output layer."""
+    x, embed = hidden_and_embed
     x = _norm(b, s, x, w["norm"], w.get("norm_bias"), "final")
     keep = b.one("Neg", ["num_logits_to_keep"])
     x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]), b.ints("ax0s", [0])])  # [m, hidden]
@@ -230,7 +288,9 @@ def _norm(b: _Builder, s: DecoderSpec, x: str, weight: np.ndarray, bias: np.ndar
     # RMSNorm, written so ORT's optimizer fuses it into SimplifiedLayerNormalization.
     # Computed in fp32 even for fp16 graphs: the mean of squares overflows fp16.
     xf = b.one("Cast", [x], to=TensorProto.FLOAT) if b.dtype != np.float32 else x
-    var = b.one("ReduceMean", [b.one("Mul", [xf, xf])], axes=[-1], keepdims=1)
+    # Pow(x, 2) (not Mul(x, x)) is the pattern ORT's SimplifiedLayerNormFusion matches.
+    var = b.one("ReduceMean", [b.one("Pow", [xf, b.const(b.name("two"), np.array(2.0, np.float32))])],
+                axes=[-1], keepdims=1)
     eps = b.const(b.name("eps"), np.array(s.norm_eps, np.float32))
     normed = b.one("Div", [xf, b.one("Sqrt", [b.one("Add", [var, eps])])])
     if b.dtype != np.float32:
@@ -245,12 +305,12 @@ def _linear(b: _Builder, x: str, w: dict[str, np.ndarray], key: str) -> str:
     return y
 
 
-def _rotate(b: _Builder, s: DecoderSpec, t: str, cos: str, sin: str) -> str:
+def _rotate(b: _Builder, s: DecoderSpec, t: str, cos: str, sin: str, out: str | None = None) -> str:
     """HF rotary: t * cos + rotate_half(t) * sin, with rotate_half(t) = [-t2, t1]."""
     half = s.head_dim // 2
     t1, t2 = b.node("Split", [t, b.ints(b.name("split"), [half, half])], n_out=2, axis=-1)
     rotated = b.one("Concat", [b.one("Neg", [t2]), t1], axis=-1)
-    return b.one("Add", [b.one("Mul", [t, cos]), b.one("Mul", [rotated, sin])])
+    return b.one("Add", [b.one("Mul", [t, cos]), b.one("Mul", [rotated, sin])], out=out)
 
 
 def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, mask: str,
@@ -264,13 +324,14 @@ def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str
     qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
     q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
     q = b.one("Reshape", [q, b.ints(b.name("q_shape"), [-1, h, hd])])  # [n, H, hd]
-    k = b.one("Reshape", [k, b.ints(b.name("k_shape"), [-1, kvh, hd])])  # [n, kvh, hd]
-    v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])])
-    if cos is not None:
+    # The new K/V are graph outputs by name (no Identity nodes: ORT keeps those as real copies).
+    rotary = cos is not None
+    k = b.one("Reshape", [k, b.ints(b.name("k_shape"), [-1, kvh, hd])],
+              out=None if rotary else f"new_key.{i}")  # [n, kvh, hd]
+    v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=f"new_value.{i}")
+    if rotary:
         q = _rotate(b, s, q, cos, sin)
-        k = _rotate(b, s, k, cos, sin)
-    b.nodes.append(helper.make_node("Identity", [k], [f"new_key.{i}"], name=f"new_key_out_{i}"))
-    b.nodes.append(helper.make_node("Identity", [v], [f"new_value.{i}"], name=f"new_value_out_{i}"))
+        k = _rotate(b, s, k, cos, sin, out=f"new_key.{i}")
 
     k_all = b.one("Concat", [f"past_key.{i}", k], axis=0)  # [T, kvh, hd]
     v_all = b.one("Concat", [f"past_value.{i}", v], axis=0)

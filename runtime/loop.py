@@ -139,11 +139,18 @@ class _Run:
         self.stats.near_ties += verdict.near_ties
         return self.commit(verdict.tokens), verdict.n_accepted
 
-    def _record(self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def _record(self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                committed: int) -> None:
         stats = self.stats
         stats.draft_s += draft_s
         stats.verify_s += verify_s
-        stats.record_step(k, drafted, accepted)
+        # EOS inside the block commits only its first `committed` tokens, all accepted draft
+        # tokens: the stats count just those, so nothing past the stop is counted. The
+        # controller still learns what the draft really achieved.
+        if committed <= accepted:
+            stats.record_step(k, committed, committed)
+        else:
+            stats.record_step(k, drafted, accepted)
         if self.controller is not None:
             self.controller.observe(k, drafted, accepted, draft_s, verify_s)
 
@@ -160,7 +167,7 @@ class _Run:
         if k > 0:  # after a plain step the drafter catches up on its next propose
             self.drafter.accept(np.asarray(self.history, np.int64), accepted)
         t3 = time.perf_counter()
-        self._record(k, drafted, accepted, (t1 - t0) + (t3 - t2), t2 - t1)
+        self._record(k, drafted, accepted, (t1 - t0) + (t3 - t2), t2 - t1, len(block))
         return block
 
     def _take_carry(self, k: int) -> Proposal | None:
@@ -208,7 +215,7 @@ class _Run:
         overlap = max(0.0, (t2 - t1) + verify_busy - (t3 - t1))
         self.stats.overlap_s += overlap
         self.stats.pipelined_steps += 1
-        self._record(k, drafted, accepted, draft_busy, verify_busy)
+        self._record(k, drafted, accepted, draft_busy, verify_busy, len(block))
         return block
 
 

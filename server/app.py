@@ -108,6 +108,8 @@ class _Server:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:  # "[[[[..." nests deeper than the parser's stack
+            raise APIError(400, "the request body nests too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         return data

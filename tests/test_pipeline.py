@@ -114,13 +114,13 @@ def test_every_block_rejected_still_equals_plain(gen, baseline, mode):
 def test_discarded_drafts_do_not_leak_into_caches(gen, baseline):
     gen.generate(input_ids=PROMPT, max_new_tokens=60, speculation=False)
     committed = gen.target_kv.length
-    plain_keys = [k[:committed].copy() for k in gen.target_kv.keys]
+    plain_keys = [committed_rows(gen.target_kv, k, committed).copy() for k in gen.target_kv.keys]
     r = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=4, mode="pipelined")
     assert r.token_ids == baseline
     assert gen.target_kv.length <= committed + 4
     for plain, spec in zip(plain_keys, gen.target_kv.keys):
         # Batched and unbatched float sums differ in the last bits only.
-        np.testing.assert_allclose(spec[:committed], plain, atol=1e-5)
+        np.testing.assert_allclose(committed_rows(gen.target_kv, spec, committed), plain, atol=1e-5)
 
     drafter = ModelDrafter(gen.draft, SamplingConfig(), cache=gen.draft_kv)
     result = loop.LoopResult()
@@ -133,6 +133,11 @@ def test_discarded_drafts_do_not_leak_into_caches(gen, baseline):
     # Whatever the draft cache still holds beyond the history is an unverified early draft;
     # everything up to the history's length must be committed tokens.
     assert drafter.cached[:len(history)] == history[:len(drafter.cached)]
+
+
+def committed_rows(kv, buf, n):
+    """The first n cached positions of one layer's buffer, whatever the cache layout."""
+    return buf[:n] if kv.layout == "position-major" else buf[0, :, :n]
 
 
 def _chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:

@@ -9,6 +9,10 @@ fixed-width words, so no token's text is a prefix of another's and stop-string
 tests can name a token's text unambiguously. Decoding a WordLevel tokenizer
 joins tokens with single spaces.
 
+Caveat: transformers 5 forces ``Qwen2Tokenizer`` (byte-level BPE rebuilt from the
+vocab) onto any qwen2 folder, so a qwen2 bundle's tokenizer cannot encode these
+words. qwen2 tests therefore pass ``input_ids``; text tests use llama and gpt2.
+
 torch and transformers are imported inside the functions: test modules that
 only need the constants (and the no-torch subprocess test) stay light.
 """
@@ -59,8 +63,10 @@ def save_tokenizer(out: Path, size: int, eos_id: int = EOS_ID) -> None:
 
     tk = Tokenizer(models.WordLevel(vocab(size), unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # pad = unk: transformers 5 loads every qwen2 folder as Qwen2Tokenizer, which otherwise
+    # appends its own pad token "<|endoftext|>" past the model's vocab.
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token=word(eos_id),
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", pad_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
 

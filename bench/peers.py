@@ -1,0 +1,450 @@
+"""The runtimes a user would pick instead, on the same prompts, token ids and lengths.
+
+- ``hf``: transformers on torch CPU, ``generate`` greedy: plain, ``prompt_lookup_num_tokens``
+  (its n-gram speculation) and ``assistant_model`` (assisted generation) when the draft
+  has an HF checkpoint. Same weights as the bundle when the bundle came from them.
+- ``genai``: onnxruntime-genai on its own model-builder output (cached), plain greedy and
+  its n-gram speculative mode where the installed API has one.
+- ``llamacpp``: llama-cpp-python on the catalog's GGUF file, plain greedy and
+  ``LlamaPromptLookupDecoding``.
+
+Every peer gets our prompt token ids (so tokenization cannot differ), is asked for as
+many tokens as our baseline produced for that prompt, and is timed with the same
+definition of tok/s (tokens after the first over the time after the first). A peer
+that is not installed, or whose model files cannot be found, is skipped with the
+reason; it never fails the bench. A peer's text differing from ours is reported, not
+failed: different kernels (and, for GGUF and int4 builds, different weights) may
+legitimately pick another token at a near-tie.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import metrics
+from .configs import BASELINE
+
+PEERS = ("hf", "genai", "llamacpp")
+
+
+class PeerSkipped(Exception):
+    """The peer cannot run here; the message says why and how to enable it."""
+
+
+@dataclass
+class PeerRun:
+    workload: str
+    category: str
+    config: str
+    round: int
+    tokens: list[int]
+    token_times_s: list[float]  # arrival time of each token from the start of the call
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] if self.token_times_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Same definition as GenerationStats.tokens_per_s: tokens after the first over the time after it."""
+        if len(self.tokens) < 2:
+            return 0.0
+        decode_s = self.token_times_s[-1] - self.token_times_s[0]
+        return (len(self.tokens) - 1) / decode_s if decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Job:
+    workload: str
+    category: str
+    prompt_ids: list[int]
+    max_new_tokens: int  # = our baseline's output length for this prompt
+    reference: list[int]  # our baseline's tokens
+
+
+# ----------------------------------------------------------------------------- locating model files
+def _cache() -> Path:
+    from ..export.fetch import cache_dir
+
+    return cache_dir()
+
+
+def hf_folder(explicit: str | None, source: str) -> Path | None:
+    """The HF checkpoint folder a bundle model came from, or None (a self-draft has none).
+
+    ``gguf:NAME.gguf`` sources map to the exporter's converted folder
+    ``<cache>/converted/<stem>-<key>``; a source that is itself a folder is used as is.
+    """
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not (path / "config.json").is_file():
+            raise PeerSkipped(f"{path} is not an HF model folder (no config.json)")
+        return path
+    if not source or source.startswith("self-"):
+        return None
+    if source.startswith("gguf:"):
+        stem = Path(source[len("gguf:"):]).stem
+        found = [p for p in (_cache() / "converted").glob(f"{stem}-*") if (p / "config.json").is_file()
+                 and ".tmp-" not in p.name]
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    from ..export.catalog import CATALOG
+
+    if source in CATALOG:
+        return hf_folder(None, f"gguf:{CATALOG[source].filename}")
+    return None
+
+
+def gguf_file(explicit: str | None, source: str) -> Path | None:
+    """The GGUF file a bundle model came from: ``<cache>/models/*/NAME.gguf``."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise PeerSkipped(f"GGUF file {path} does not exist")
+        return path
+    if source.startswith("gguf:"):
+        name = source[len("gguf:"):]
+        found = sorted((_cache() / "models").glob(f"*/{name}"))
+        return found[0] if found else None
+    if source.endswith(".gguf") and Path(source).is_file():
+        return Path(source)
+    from ..export.catalog import CATALOG
+
+    if source in CATALOG:
+        from ..export.fetch import model_path
+
+        path = model_path(CATALOG[source])
+        return path if path.is_file() else None
+    return None
+
+
+def _threads(settings) -> int:
+    return settings.threads or os.cpu_count() or 1
+
+
+def _interleaved(jobs: list[Job], configs: list[str], repeats: int):
+    """(job, round, config) in the same A B C / C B A order as the specedge runs."""
+    for job in jobs:
+        for r in range(repeats):
+            for config in (configs if r % 2 == 0 else list(reversed(configs))):
+                yield job, r, config
+
+
+# ----------------------------------------------------------------------------- hf
+def run_hf(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers import GenerationConfig as HFGenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+    except ImportError:
+        raise PeerSkipped("transformers/torch are not installed (pip install 'specedge[export]')") from None
+    opts = settings.peer_options
+    manifest = gen.manifest
+    target_dir = hf_folder(opts.get("hf_target"), manifest.target.source)
+    if target_dir is None:
+        raise PeerSkipped(f"no HF checkpoint found for the target ({manifest.target.source}); pass --hf-target")
+    draft_dir = None
+    notes = []
+    if manifest.draft is not None or opts.get("hf_draft"):
+        draft_dir = hf_folder(opts.get("hf_draft"), manifest.draft.source if manifest.draft else "")
+        if draft_dir is None:
+            notes.append(f"assisted generation skipped: the draft ({manifest.draft.source}) has no HF checkpoint "
+                         "(a quantized self-draft has none); pass --hf-draft to use one")
+    threads = _threads(settings)
+    torch.set_num_threads(threads)
+    log.note(f"peer hf: loading {target_dir.name}" + (f" + assistant {draft_dir.name}" if draft_dir else ""))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    assistant = (AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+                 if draft_dir else None)
+    k = opts.get("lookup_tokens") or manifest.speculation.max_draft_tokens
+    configs = {"hf-plain": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": k}}
+    if assistant is not None:
+        configs["hf-assisted"] = {"assistant_model": assistant}
+    eos = list(manifest.target.eos_token_ids)
+
+    class Clock(BaseStreamer):
+        """Arrival time of every generated token (generate() first puts the prompt)."""
+
+        def __init__(self) -> None:
+            self.t0 = time.perf_counter()
+            self.times: list[float] = []
+            self.seen_prompt = False
+
+        def put(self, value) -> None:
+            if not self.seen_prompt:
+                self.seen_prompt = True
+                return
+            now = time.perf_counter() - self.t0
+            self.times.extend([now] * int(value.numel()))
+
+        def end(self) -> None:
+            pass
+
+    def generate(job: Job, config: str, n: int) -> PeerRun:
+        extra = dict(configs[config])
+        assistant_model = extra.pop("assistant_model", None)
+        gc = HFGenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                temperature=None, top_p=None, top_k=None, **extra)
+        ids = torch.tensor([job.prompt_ids], dtype=torch.long)
+        clock = Clock()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                                 streamer=clock, assistant_model=assistant_model)
+        tokens = out[0, len(job.prompt_ids):].tolist()
+        times = clock.times[:len(tokens)] + [clock.times[-1] if clock.times else 0.0] * (len(tokens) - len(clock.times))
+        return PeerRun(job.workload, job.category, config, 0, tokens, times)
+
+    for config in configs:  # warm-up: first-call allocations, thread pools
+        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
+    runs = _run_all(jobs, list(configs), settings.repeats, generate, log, "hf")
+    info = {"folder": str(target_dir), "draft_folder": str(draft_dir) if draft_dir else None, "threads": threads,
+            "dtype": "float32", "prompt_lookup_num_tokens": k, "configs": list(configs),
+            "transformers": __import__("transformers").__version__, "torch": torch.__version__}
+    return runs, {"info": info, "notes": notes}
+
+
+# ----------------------------------------------------------------------------- onnxruntime-genai
+def build_genai_model(hf_dir: Path, precision: str, log) -> Path:
+    """Run onnxruntime-genai's model builder once per (checkpoint, precision); cached."""
+    out = _cache() / "bench" / "genai" / f"{hf_dir.name}-{precision}"
+    if (out / "genai_config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp),
+           "-p", precision, "-e", "cpu", "-c", str(tmp) + "-hfcache"]
+    log.note(f"peer genai: building {out.name} with the genai model builder (once; cached in {out.parent})")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(str(tmp) + "-hfcache", ignore_errors=True)
+    if proc.returncode != 0 or not (tmp / "genai_config.json").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise PeerSkipped(f"the genai model builder failed on {hf_dir.name} ({precision}): {' | '.join(tail)}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log.note(f"peer genai: built in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _set_genai_threads(model_dir: Path, threads: int) -> None:
+    """intra_op_num_threads in genai_config.json's decoder session_options (0 = ORT default)."""
+    path = model_dir / "genai_config.json"
+    cfg = json.loads(path.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    if threads:
+        so["intra_op_num_threads"] = threads
+    else:
+        so.pop("intra_op_num_threads", None)
+    path.write_text(json.dumps(cfg, indent=4))
+
+
+def run_genai(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+    try:
+        import numpy as np
+        import onnxruntime_genai as og
+    except ImportError:
+        raise PeerSkipped("onnxruntime-genai is not installed (pip install onnxruntime-genai)") from None
+    opts = settings.peer_options
+    hf_dir = hf_folder(opts.get("hf_target"), gen.manifest.target.source)
+    if hf_dir is None:
+        raise PeerSkipped(f"no HF checkpoint for the target ({gen.manifest.target.source}) to build a genai model "
+                          "from; pass --hf-target")
+    precisions = opts.get("genai_precision") or ("int4",)
+    k = opts.get("lookup_tokens") or gen.manifest.speculation.max_draft_tokens
+    notes: list[str] = []
+    models = {}
+    configs: dict[str, tuple[str, dict | None]] = {}
+    for precision in precisions:
+        model_dir = build_genai_model(hf_dir, precision, log)
+        _set_genai_threads(model_dir, settings.threads)
+        models[precision] = og.Model(str(model_dir))
+        configs[f"genai-{precision}"] = (precision, None)
+        params = og.GeneratorParams(models[precision])
+        if hasattr(params, "set_speculative_options"):
+            try:
+                params.set_speculative_options(ngram_size=3, max_draft_tokens=k)
+                configs[f"genai-{precision}-ngram"] = (precision, {"ngram_size": 3, "max_draft_tokens": k})
+            except Exception as exc:  # the option names are the installed version's
+                notes.append(f"genai n-gram speculation unavailable: {exc}")
+        elif precision == precisions[0]:
+            notes.append("this onnxruntime-genai has no speculative options; only plain decoding is compared")
+    notes.append("genai draft-model speculation is not compared: it needs a drafter exported by its builder's "
+                 "speculative options")
+
+    def generate(job: Job, config: str, n: int) -> PeerRun:
+        precision, spec = configs[config]
+        params = og.GeneratorParams(models[precision])
+        params.set_search_options(max_length=len(job.prompt_ids) + n, do_sample=False)
+        if spec:
+            params.set_speculative_options(**spec)
+        t0 = time.perf_counter()
+        g = og.Generator(models[precision], params)
+        g.append_tokens(np.asarray(job.prompt_ids, np.int32))
+        tokens: list[int] = []
+        times: list[float] = []
+        while not g.is_done() and len(tokens) < n:
+            g.generate_next_token()
+            new = [int(t) for t in g.get_next_tokens()]
+            now = time.perf_counter() - t0
+            tokens += new
+            times += [now] * len(new)
+        return PeerRun(job.workload, job.category, config, 0, tokens[:n], times[:n])
+
+    for config in configs:
+        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
+    runs = _run_all(jobs, list(configs), settings.repeats, generate, log, "genai")
+    info = {"hf_folder": str(hf_dir), "precisions": list(precisions), "threads": settings.threads,
+            "ngram": {"ngram_size": 3, "max_draft_tokens": k}, "configs": list(configs),
+            "onnxruntime_genai": og.__version__}
+    return runs, {"info": info, "notes": notes}
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+def run_llamacpp(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+    try:
+        import llama_cpp
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        raise PeerSkipped("llama-cpp-python is not installed (pip install llama-cpp-python; it compiles "
+                          "llama.cpp, minutes)") from None
+    opts = settings.peer_options
+    path = gguf_file(opts.get("gguf"), gen.manifest.target.source)
+    if path is None:
+        raise PeerSkipped(f"no GGUF file found for the target ({gen.manifest.target.source}); pass --gguf")
+    threads = _threads(settings)
+    k = opts.get("lookup_tokens") or gen.manifest.speculation.max_draft_tokens
+    common = dict(model_path=str(path), n_ctx=gen.max_context, n_threads=threads, n_threads_batch=threads,
+                  verbose=False, seed=0)
+    log.note(f"peer llamacpp: loading {path.name}")
+    engines = {"llamacpp-plain": Llama(**common),
+               "llamacpp-prompt-lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
+    eos = set(gen.manifest.target.eos_token_ids)
+
+    def generate(job: Job, config: str, n: int) -> PeerRun:
+        llm = engines[config]
+        llm.reset()
+        tokens: list[int] = []
+        times: list[float] = []
+        t0 = time.perf_counter()
+        for token in llm.generate(job.prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                  reset=True):
+            times.append(time.perf_counter() - t0)
+            tokens.append(int(token))
+            if token in eos or token == llm.token_eos() or len(tokens) >= n:
+                break
+        return PeerRun(job.workload, job.category, config, 0, tokens, times)
+
+    for config in engines:
+        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
+    runs = _run_all(jobs, list(engines), settings.repeats, generate, log, "llamacpp")
+    info = {"gguf": str(path), "threads": threads, "num_pred_tokens": k, "configs": list(engines),
+            "llama_cpp_python": llama_cpp.__version__}
+    return runs, {"info": info, "notes": [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); "
+                                          "its text may differ from a bundle exported at another precision"]}
+
+
+RUNNERS = {"hf": run_hf, "genai": run_genai, "llamacpp": run_llamacpp}
+
+
+def _run_all(jobs: list[Job], configs: list[str], repeats: int, generate, log, title: str) -> list[PeerRun]:
+    from .progress import Progress
+
+    bar = Progress(len(jobs) * repeats * len(configs), title=f"peer {title}", enabled=log.enabled)
+    runs = []
+    for job, r, config in _interleaved(jobs, configs, repeats):
+        run = generate(job, config, job.max_new_tokens)
+        run.round = r
+        runs.append(run)
+        bar.advance(f"{job.workload} {config}")
+    bar.close()
+    return runs
+
+
+# ----------------------------------------------------------------------------- summary
+def _median_tps_per_prompt(runs, config: str) -> dict[str, float]:
+    by: dict[str, list[float]] = {}
+    for r in runs:
+        if r.config == config and r.tokens_per_s > 0:
+            by.setdefault(r.workload, []).append(r.tokens_per_s)
+    return {w: metrics.median(v) for w, v in by.items()}
+
+
+def summarise(peer_runs: list[PeerRun], jobs: list[Job], our_runs, best: dict, default_config: str | None) -> dict:
+    """Per peer configuration and category: tok/s, TTFT, same text as ours, and our tok/s over theirs.
+
+    ``ratio_best``: median over prompts of (our best speculative configuration's median
+    tok/s on the prompt / the peer's); ``ratio_default`` the same for the bundle's default
+    configuration; ``ratio_baseline``: our plain decoding over the peer's (the engines alone).
+    """
+    out: dict = {}
+    by_job = {j.workload: j for j in jobs}
+    categories = list(dict.fromkeys(j.category for j in jobs))
+    for config in dict.fromkeys(r.config for r in peer_runs):
+        peer_tps = _median_tps_per_prompt(peer_runs, config)
+        cells = {}
+        for category in categories:
+            runs = [r for r in peer_runs if r.config == config and r.category == category]
+            first = {r.workload: r for r in runs if r.round == 0}
+            divergence = {w: metrics.first_divergence(by_job[w].reference, r.tokens) for w, r in first.items()}
+
+            def ratio(our_config):
+                if not our_config:
+                    return None
+                ours = _median_tps_per_prompt([r for r in our_runs if r.category == category], our_config)
+                ratios = [ours[w] / peer_tps[w] for w in ours if w in peer_tps and peer_tps[w] > 0]
+                return metrics.median(ratios) if ratios else None
+
+            tps = [r.tokens_per_s for r in runs if r.tokens_per_s > 0]
+            cells[category] = {
+                "tokens_per_s": {"median": metrics.median(tps), "iqr": metrics.iqr(tps)},
+                "ttft_ms": metrics.median(r.ttft_s for r in runs) * 1e3,
+                "tokens": metrics.median(len(r.tokens) for r in runs),
+                "same_text": sum(1 for d in divergence.values() if d is None) / len(divergence) if divergence else None,
+                "first_divergence": divergence,
+                "best_config": best.get(category, {}).get("config"),
+                "ratio_best": ratio(best.get(category, {}).get("config")),
+                "ratio_default": ratio(default_config),
+                "ratio_baseline": ratio(BASELINE),
+            }
+        out[config] = cells
+    return out
+
+
+def run_peers(settings, gen, workloads, our_runs, best: dict, default_config: str | None, log) -> dict:
+    """Run every requested peer; returns {peer: {"skipped": why} | {"info", "notes", "configs"}}."""
+    reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
+    jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
+    results: dict = {}
+    for peer in settings.peers:
+        runner = RUNNERS.get(peer)
+        if runner is None:
+            results[peer] = {"skipped": f"unknown peer {peer!r}; known: {', '.join(PEERS)}"}
+            continue
+        try:
+            peer_runs, extra = runner(settings, gen, jobs, log)
+        except PeerSkipped as exc:
+            log.note(f"peer {peer}: skipped: {exc}")
+            results[peer] = {"skipped": str(exc)}
+            continue
+        except Exception as exc:  # a peer's own failure must not lose the specedge results
+            log.note(f"peer {peer}: failed: {type(exc).__name__}: {exc}")
+            results[peer] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+            continue
+        results[peer] = {**extra, "configs": summarise(peer_runs, jobs, our_runs, best, default_config),
+                         "runs": [{"workload": r.workload, "config": r.config, "round": r.round,
+                                   "tokens": len(r.tokens), "tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s}
+                                  for r in peer_runs]}
+    return results

@@ -1,0 +1,292 @@
+"""Rendering a bench result: the markdown tables, the JSON file, the plot, the results files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..errors import InvalidParameterError
+from .configs import BASELINE
+from .runner import SCHEMA, SCHEMA_VERSION
+
+DEFINITIONS = """\
+- **tok/s**: decode throughput of one run, tokens after the first over the time after the first
+  (`GenerationStats.tokens_per_s`); median over prompts x rounds, IQR = p75 - p25.
+- **speedup**: median over (prompt, round) of tok/s(config) / tok/s(baseline) in the same round.
+  Rounds run every configuration once, in reversed order on odd rounds, so drift cancels in the ratios.
+- **acc**: accepted / drafted draft tokens. **a**: the i.i.d. per-token acceptance fitted to the
+  per-position counts (sum_i drafted[i] a^(i+1) = accepted). **acc/pos**: fraction of steps that drafted
+  position i whose tokens up to i were all accepted. **mal**: mean accepted length, tokens per target step.
+- **split**: draft / verify / overhead share of the decode time (after the first token).
+- **ITL tok**: per-token gaps a streaming client sees, t_i - t_(i-1); tokens of one block arrive together
+  (gap 0). **ITL blk**: gaps between consecutive blocks (distinct arrival times). p50/p95 in ms.
+- **RSS**: peak resident memory of the process during the run (VmHWM, reset before each run), in MB.
+- **pred**: Leviathan's bound (1 - a^(k+1)) / ((1 - a)(k c + v(k))) from a, c = draft token time / target
+  1-token step and v(k) = target (k+1)-token step / 1-token step, mixed over the k the run chose.
+  **eff** = measured speedup / predicted.
+"""
+
+
+# ----------------------------------------------------------------------------- JSON
+def clean(obj):
+    """JSON-safe copy: NaN/inf become null, tuple keys and values plain types."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(clean(doc), indent=2, allow_nan=False, ensure_ascii=False)
+
+
+_CELL_KEYS = ("runs", "tokens_per_s", "speedup", "acceptance", "acceptance_fit", "mean_accepted_length",
+              "acceptance_per_position", "k_chosen", "time_split", "ttft_ms", "itl_token_ms", "itl_block_ms",
+              "rss_peak_mb", "near_ties", "bound", "failures")
+_TOP_KEYS = {"schema": str, "schema_version": int, "date": str, "command": str, "machine": dict, "bundle": dict,
+             "settings": dict, "step_costs": dict, "workloads": dict, "failures": list, "notes": list,
+             "peers": dict, "runs": list, "summary": dict, "memory": dict}
+
+
+def check_schema(doc: dict) -> None:
+    """Raise InvalidParameterError naming the first field that does not match the bench schema."""
+    for key, kind in _TOP_KEYS.items():
+        if not isinstance(doc.get(key), kind):
+            raise InvalidParameterError(f"bench result field {key!r} must be {kind.__name__}")
+    if doc["schema"] != SCHEMA or doc["schema_version"] != SCHEMA_VERSION:
+        raise InvalidParameterError(f"not a {SCHEMA} v{SCHEMA_VERSION} document")
+    for key in ("cpu", "cores", "ram_gb", "onnxruntime"):
+        if key not in doc["machine"]:
+            raise InvalidParameterError(f"bench result field 'machine.{key}' is missing")
+    for category, entry in doc["workloads"].items():
+        if BASELINE not in entry.get("configs", {}):
+            raise InvalidParameterError(f"workload {category!r} has no baseline")
+        for name, cell in entry["configs"].items():
+            missing = [k for k in _CELL_KEYS if k not in cell]
+            if missing:
+                raise InvalidParameterError(f"workloads.{category}.configs.{name} lacks {missing}")
+        for p in entry.get("prompts", []):
+            if not p.get("source"):
+                raise InvalidParameterError(f"prompt {p.get('id')!r} has no source")
+    for f in doc["failures"]:
+        for key in ("workload", "config", "round", "first_divergence", "kind"):
+            if key not in f:
+                raise InvalidParameterError(f"failure entry lacks {key!r}")
+    for key in ("failures", "near_tie_divergences", "exit_code", "best"):
+        if key not in doc["summary"]:
+            raise InvalidParameterError(f"bench result field 'summary.{key}' is missing")
+
+
+# ----------------------------------------------------------------------------- markdown
+def _f(x, digits: int = 1, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def _k_hist(k_chosen: dict) -> str:
+    items = sorted(k_chosen.items(), key=lambda kv: -kv[1])
+    total = sum(n for _, n in items) or 1
+    return " ".join(f"{k}:{round(100 * n / total)}%" for k, n in items[:3])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(doc: dict) -> str:
+    """The human report: summary, per-workload tables, correctness, peers, definitions."""
+    doc = clean(doc)
+    m, b, s, costs = doc["machine"], doc["bundle"], doc["settings"], doc["step_costs"]
+    out = [f"# specedge bench: {b['name']}", ""]
+    out.append(f"- date: {doc['date']} ({doc.get('started_utc', '')} UTC)")
+    out.append(f"- command: `{doc['command']}`")
+    out.append(f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('usable_cores')} usable), {m['ram_gb']} GB RAM, "
+               f"{m.get('os', '')}; python {m.get('python')}, onnxruntime {m['onnxruntime']}, "
+               f"numpy {m.get('numpy')}, specedge {m.get('specedge')}")
+    draft = b.get("draft")
+    out.append(f"- bundle: `{b['path']}`: target {b['target']['source']} ({b['target']['precision']}), draft "
+               + (f"{draft['source']} ({draft['precision']})" if draft else "none")
+               + f"; quantized target: {'yes' if b['quantized'] else 'no'}")
+    out.append(f"- settings: {len(s['prompts'])} prompts ({s['per_category'] or 'all'} per category), "
+               f"max_new_tokens {s['max_new_tokens']}, repeats {s['repeats']}, threads {s['threads'] or 'ORT default'}"
+               f", {len(s['configs'])} configurations" + (", --quick" if s.get("quick") else ""))
+    step1 = costs["target_s"].get("1")
+    v = costs.get("v", {})
+    out.append(f"- step costs at {costs['prompt_tokens']} cached tokens (medians of {costs['reps']}): target 1-token "
+               f"step {_f(step1 and step1 * 1e3, 2)} ms; v(k) " + ", ".join(f"{k}:{_f(x, 2)}" for k, x in v.items()
+                                                                             if k != "0")
+               + (f"; draft token {_f(costs['draft_token_s'] * 1e3, 2)} ms (c = {_f(costs['c_model'], 2)})"
+                  if costs.get("draft_token_s") else ""))
+    mem = doc["memory"]
+    out.append(f"- memory: {_f(mem['rss_after_load_mb'], 0)} MB after load, peak {_f(mem['rss_peak_specedge_mb'], 0)} "
+               f"MB during the specedge runs, {_f(mem['rss_peak_process_mb'], 0)} MB with peers")
+    out.append("")
+
+    # Summary
+    peer_cols = []
+    for peer, res in doc["peers"].items():
+        for cfg in (res.get("configs") or {}):
+            peer_cols.append((peer, cfg))
+    header = ["workload", "baseline tok/s", "best config", "tok/s", "speedup"]
+    header += [f"{cfg} tok/s (ours/them)" for _, cfg in peer_cols]
+    rows = []
+    for category, best in doc["summary"]["best"].items():
+        row = [category, _f(best.get("baseline_tokens_per_s")), best.get("config") or "–",
+               _f(best.get("tokens_per_s")), _f(best.get("speedup"), 2, "x")]
+        for peer, cfg in peer_cols:
+            cell = doc["peers"][peer]["configs"][cfg].get(category, {})
+            row.append(f"{_f(cell.get('tokens_per_s', {}).get('median'))} ({_f(cell.get('ratio_best'), 2, 'x')})")
+        rows.append(row)
+    out += ["## Summary", "", _table(header, rows), ""]
+    summary = doc["summary"]
+    if summary["failures"]:
+        out.append(f"**FAILED: {summary['failures']} speculative run(s) differ from the baseline** (see Correctness).")
+    elif summary["near_tie_divergences"]:
+        out.append(f"{summary['near_tie_divergences']} near-tie divergence(s) on a quantized target, no other "
+                   "difference from the baseline.")
+    else:
+        out.append("Every speculative run's greedy output equals the baseline's, token for token.")
+    out.append("")
+
+    # Per workload
+    header = ["config", "tok/s (IQR)", "speedup", "acc", "a", "mal", "acc/pos", "k chosen", "split d/v/o %",
+              "TTFT ms", "ITL tok p50/p95", "ITL blk p50/p95", "RSS MB", "pred", "eff"]
+    for category, entry in doc["workloads"].items():
+        out += [f"## {category} ({len(entry['prompts'])} prompt{'s' if len(entry['prompts']) != 1 else ''}: "
+                + ", ".join(p["id"] for p in entry["prompts"]) + ")", ""]
+        rows = []
+        for name, c in entry["configs"].items():
+            split = c["time_split"]
+            bnd = c.get("bound") or {}
+            spec = name != BASELINE
+            tps = c["tokens_per_s"]
+            rows.append([
+                name + (" ✗" if c.get("failures") else ""),
+                f"{_f(tps['median'])} ({_f(tps['iqr'])})",
+                _f(c["speedup"], 2, "x"),
+                _f(c["acceptance"], 2) if spec else "",
+                _f(c["acceptance_fit"], 2) if spec else "",
+                _f(c["mean_accepted_length"], 2) if spec else "",
+                " ".join(_f(x, 2) for x in c["acceptance_per_position"]) if spec else "",
+                _k_hist(c["k_chosen"]) if spec else "",
+                f"{_f(100 * split['draft'], 0)}/{_f(100 * split['verify'], 0)}/{_f(100 * split['overhead'], 0)}",
+                _f(c["ttft_ms"], 0),
+                f"{_f(c['itl_token_ms']['p50'])}/{_f(c['itl_token_ms']['p95'])}",
+                f"{_f(c['itl_block_ms']['p50'])}/{_f(c['itl_block_ms']['p95'])}",
+                _f(c["rss_peak_mb"], 0),
+                _f(bnd.get("predicted"), 2, "x") if spec else "",
+                _f(bnd.get("efficiency"), 2) if spec else "",
+            ])
+        out += [_table(header, rows), ""]
+
+    # Correctness
+    out += ["## Correctness", ""]
+    if doc["failures"]:
+        rows = [[f["workload"], f["config"], str(f["round"]), str(f["first_divergence"]),
+                 f"{f.get('baseline_token')} vs {f.get('config_token')}", str(f.get("near_ties")), f["kind"]]
+                for f in doc["failures"]]
+        out += [_table(["prompt", "config", "round", "first divergence", "tokens (baseline vs config)",
+                        "near-ties in run", "kind"], rows), ""]
+    else:
+        n = sum(1 for r in doc["runs"] if r["config"] != BASELINE)
+        out += [f"All {n} speculative runs (and every baseline repeat) produced the baseline's tokens.", ""]
+
+    # Peers
+    if doc["peers"]:
+        out += ["## Peers", ""]
+        for peer, res in doc["peers"].items():
+            if "skipped" in res:
+                out += [f"- **{peer}**: skipped: {res['skipped']}", ""]
+                continue
+            info = res.get("info", {})
+            out.append(f"**{peer}**: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "configs"))
+            for note in res.get("notes", []):
+                out.append(f"- {note}")
+            out.append("")
+            rows = []
+            for cfg, cells in res["configs"].items():
+                for category, c in cells.items():
+                    rows.append([category, cfg, f"{_f(c['tokens_per_s']['median'])} ({_f(c['tokens_per_s']['iqr'])})",
+                                 _f(c["ttft_ms"], 0), _f(c["tokens"], 0),
+                                 _f(c["same_text"] and 100 * c["same_text"], 0, "%"),
+                                 f"{c.get('best_config') or '–'} {_f(c['ratio_best'], 2, 'x')}",
+                                 _f(c["ratio_default"], 2, "x"), _f(c["ratio_baseline"], 2, "x")])
+            out += [_table(["workload", "peer config", "tok/s (IQR)", "TTFT ms", "tokens", "same text as ours",
+                            "ours best / peer", "ours default / peer", "our baseline / peer"], rows), ""]
+    if doc["notes"]:
+        out += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
+    out += ["## Definitions", "", DEFINITIONS]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- files
+def results_stem(out: Path, doc: dict) -> Path:
+    """``out`` as a folder (existing, or ending in /) -> ``out/<date>-<bundle>``; else ``out`` without suffix."""
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        out.mkdir(parents=True, exist_ok=True)
+        return out / f"{doc['date']}-{doc['bundle']['name']}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out.with_suffix("") if out.suffix in (".md", ".json") else out
+
+
+def write_results(doc: dict, out: Path) -> tuple[Path, Path]:
+    """Write ``<stem>.md`` and ``<stem>.json``; returns both paths."""
+    stem = results_stem(Path(out), doc)
+    md, js = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    md.write_text(render_markdown(doc) + "\n", encoding="utf-8")
+    js.write_text(to_json(doc) + "\n", encoding="utf-8")
+    return md, js
+
+
+# ----------------------------------------------------------------------------- plot
+def plot(doc: dict, path: Path) -> Path:
+    """Speedup vs k per workload (one panel per drafter) and acceptance per draft position."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidParameterError("--plot needs matplotlib: pip install 'specedge[plot]'") from None
+    doc = clean(doc)
+    drafters = [d for d in ("model", "ngram", "composite")
+                if any(n.startswith(d + "-") for n in doc["settings"]["configs"])]
+    if not drafters:
+        raise InvalidParameterError("--plot needs at least one speculative configuration")
+    fig, axes = plt.subplots(2, len(drafters), figsize=(5 * len(drafters), 8), squeeze=False)
+    for col, drafter in enumerate(drafters):
+        ax_s, ax_a = axes[0][col], axes[1][col]
+        for i, (category, entry) in enumerate(doc["workloads"].items()):
+            color = f"C{i}"
+            fixed = sorted((int(n.split("-k")[1]), c) for n, c in entry["configs"].items()
+                           if n.startswith(drafter + "-k"))
+            ks = [k for k, _ in fixed]
+            ax_s.plot(ks, [c["speedup"] for _, c in fixed], "o-", color=color, label=category)
+            adaptive = entry["configs"].get(f"{drafter}-adaptive")
+            if adaptive and adaptive["speedup"] is not None:
+                ax_s.axhline(adaptive["speedup"], color=color, ls="--", lw=1)
+            if fixed:
+                k_max, cell = fixed[-1]
+                app = cell["acceptance_per_position"]
+                ax_a.plot(range(1, len(app) + 1), app, "o-", color=color, label=f"{category} (k={k_max})")
+        ax_s.axhline(1.0, color="grey", lw=0.8)
+        ax_s.set(title=f"{drafter}: speedup vs k (dashed: adaptive)", xlabel="k (draft tokens)",
+                 ylabel="speedup vs baseline")
+        ax_a.set(title=f"{drafter}: acceptance per draft position", xlabel="draft position",
+                 ylabel="P(accepted up to here)", ylim=(0, 1.05))
+        ax_s.legend(fontsize=8)
+        ax_a.legend(fontsize=8)
+    fig.suptitle(f"specedge bench: {doc['bundle']['name']} ({doc['date']})")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,491 @@
+"""The benchmark itself: baseline vs every speculative configuration, interleaved.
+
+Order of work, and why:
+
+1. Load the bundle once; encode the selected prompts (prompts that cannot fit
+   prompt + max_new_tokens + a verify block in max_context are skipped, with a note).
+2. Warm-up: every session shape once (``Generator.warmup``), then every configuration
+   once on the first prompt. The adaptive controller's cost profile is learned here
+   too, as it would be in a long-running server.
+3. Step costs, measured directly on the engines (medians of ``micro_reps``), at
+   the median prompt length: a target step on 1 token, on k+1 tokens, and a draft
+   token. They feed Leviathan's bound.
+4. For each prompt, ``repeats`` rounds; each round runs the baseline and every
+   configuration once, the order reversed on odd rounds (A B C, C B A, ...), so a
+   linear drift of the machine is seen equally by all. Speedup is the median of
+   each round's paired ratio to that round's baseline.
+5. Every speculative output is compared with the prompt's first baseline output,
+   token by token; baseline repeats are compared too (they must be deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from . import metrics
+from .configs import BASELINE, DEFAULT_K_SWEEP, BenchConfig, expand_configs
+from .progress import Progress
+from .suite import Workload, load_suite
+
+SCHEMA = "specedge-bench"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    bundle: Path
+    categories: tuple[str, ...] | None = None  # None = every category
+    per_category: int | None = None  # None = every prompt of a category
+    max_new_tokens: int = 64
+    repeats: int = 3
+    configs: str | None = None  # comma list, see configs.expand_configs; None = all
+    k_sweep: tuple[int, ...] = DEFAULT_K_SWEEP
+    threads: int = 0  # ORT intra-op threads per session (0 = ORT default); peers get the same
+    warmup_tokens: int = 16  # tokens per warm-up run of each configuration
+    micro_reps: int = 10  # repetitions per step-cost measurement (medians)
+    peers: tuple[str, ...] = ()
+    peer_options: dict = field(default_factory=dict)  # hf_target, hf_draft, gguf, genai_precision, ...
+    quick: bool = False
+    suite_path: Path | None = None
+    command: str = ""  # the exact command line, for the results file
+    progress: bool = True
+    verify_checksums: bool = True
+
+
+@dataclass
+class RunRecord:
+    """One generation: the numbers we keep from its GenerationResult."""
+
+    workload: str
+    category: str
+    config: str
+    round: int
+    tokens: list[int]
+    token_times_s: list[float]
+    tokens_per_s: float
+    new_tokens: int
+    finish_reason: str
+    ttft_s: float
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    total_s: float
+    steps: int
+    drafted: int
+    accepted: int
+    drafted_per_position: list[int]
+    accepted_per_position: list[int]
+    k_chosen: dict[int, int]
+    near_ties: int
+    mode_s: dict[str, float]
+    rss_peak_mb: float
+
+    def summary(self) -> dict:
+        """What the JSON keeps per run (no token ids or times)."""
+        return {"workload": self.workload, "config": self.config, "round": self.round,
+                "tokens_per_s": self.tokens_per_s, "new_tokens": self.new_tokens,
+                "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "total_s": self.total_s,
+                "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+                "near_ties": self.near_ties, "rss_peak_mb": self.rss_peak_mb}
+
+
+# ----------------------------------------------------------------------------- memory
+def _read_status(key: str) -> float | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{key}:\s+(\d+)\s+kB", text, re.M)
+    return int(m.group(1)) / 1024 if m else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so the next reading is this run's peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory in MB: VmHWM (since the last reset) where Linux has it, else getrusage."""
+    hwm = _read_status("VmHWM")
+    if hwm is not None:
+        return hwm
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, kB on Linux
+
+
+def process_peak_rss_mb() -> float:
+    """The process's lifetime peak (getrusage), unaffected by resets."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+# ----------------------------------------------------------------------------- machine
+def machine_info() -> dict:
+    """CPU model, cores, RAM, library versions: what a reader needs to compare numbers."""
+    import onnxruntime
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram_gb = None
+    try:
+        m = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
+        ram_gb = round(int(m.group(1)) / 1024 / 1024, 1) if m else None
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "ram_gb": ram_gb,
+            "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "specedge": __version__}
+
+
+# ----------------------------------------------------------------------------- step costs
+def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int) -> dict:
+    """Median seconds of target forwards on n tokens (n in ``lengths``) and of a draft 1-token forward.
+
+    Runs on the generator's own caches (the loop resets them at every call) after a
+    prefill of ``prompt_ids``, rewinding after each forward so every measurement sees
+    the same cache length. Lengths are interleaved within each repetition so drift
+    touches all of them alike; the first repetition is a discarded warm-up.
+    """
+    out: dict = {"prompt_tokens": len(prompt_ids), "reps": reps, "target_s": {}, "draft_token_s": None}
+    prefix = np.asarray(prompt_ids, np.int64)
+    engines = [("target", gen.target, gen.target_kv, sorted(set([1] + lengths)))]
+    if gen.draft is not None:
+        engines.append(("draft", gen.draft, gen.draft_kv, [1]))
+    for role, engine, cache, ns in engines:
+        cache.reset()
+        engine.forward(prefix, cache, num_logits=1)
+        samples: dict[int, list[float]] = {n: [] for n in ns}
+        step_ids = {n: np.asarray(prompt_ids[-n:] if n <= len(prompt_ids) else
+                                  (prompt_ids * (n // len(prompt_ids) + 1))[:n], np.int64) for n in ns}
+        for rep in range(reps + 1):
+            for n in ns:
+                t0 = time.perf_counter()
+                engine.forward(step_ids[n], cache, num_logits=n)
+                dt = time.perf_counter() - t0
+                cache.rewind(n)
+                if rep:
+                    samples[n].append(dt)
+        cache.reset()
+        if role == "target":
+            out["target_s"] = {n: metrics.median(s) for n, s in samples.items()}
+        else:
+            out["draft_token_s"] = metrics.median(samples[1])
+    return out
+
+
+# ----------------------------------------------------------------------------- aggregation
+def aggregate(runs: list[RunRecord], baseline: dict[tuple[str, int], RunRecord]) -> dict:
+    """Metrics of one (workload category, configuration) cell; see bench/metrics.py for definitions."""
+    tps = [r.tokens_per_s for r in runs if r.tokens_per_s > 0]
+    ratios = [r.tokens_per_s / b.tokens_per_s for r in runs
+              if (b := baseline.get((r.workload, r.round))) is not None and b.tokens_per_s > 0 and r.tokens_per_s > 0]
+    drafted = sum(r.drafted for r in runs)
+    accepted = sum(r.accepted for r in runs)
+    steps = sum(r.steps for r in runs)
+    width = max([len(r.drafted_per_position) for r in runs] + [0])
+    dpp = [sum(r.drafted_per_position[i] for r in runs if i < len(r.drafted_per_position)) for i in range(width)]
+    app = [sum(r.accepted_per_position[i] for r in runs if i < len(r.accepted_per_position)) for i in range(width)]
+    k_chosen: dict[int, int] = {}
+    for r in runs:
+        for k, n in r.k_chosen.items():
+            k_chosen[k] = k_chosen.get(k, 0) + n
+    split_total = sum(r.draft_s + r.verify_s + r.overhead_s for r in runs)
+    token_gaps = [g for r in runs for g in metrics.token_gaps(r.token_times_s)]
+    block_gaps = [g for r in runs for g in metrics.block_gaps(r.token_times_s)]
+    mode_s: dict[str, float] = {}
+    for r in runs:
+        for mode, s in r.mode_s.items():
+            mode_s[mode] = mode_s.get(mode, 0.0) + s
+    ms = 1e3
+    return {
+        "runs": len(runs),
+        "tokens": sum(r.new_tokens for r in runs),
+        "tokens_per_s": {"median": metrics.median(tps), "iqr": metrics.iqr(tps),
+                         "p25": metrics.percentile(tps, 25) if tps else math.nan,
+                         "p75": metrics.percentile(tps, 75) if tps else math.nan},
+        "speedup": metrics.median(ratios),
+        "speedup_iqr": metrics.iqr(ratios),
+        "speedup_ratios": ratios,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "acceptance_fit": metrics.fit_acceptance(dpp, app) if drafted else math.nan,
+        "mean_accepted_length": 1.0 + accepted / steps if steps else 0.0,
+        "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(app, dpp)],
+        "drafted_per_position": dpp,
+        "accepted_per_position": app,
+        "drafted": drafted,
+        "accepted": accepted,
+        "steps": steps,
+        "k_chosen": {str(k): n for k, n in sorted(k_chosen.items())},
+        "time_split": {"draft": sum(r.draft_s for r in runs) / split_total if split_total else 0.0,
+                       "verify": sum(r.verify_s for r in runs) / split_total if split_total else 0.0,
+                       "overhead": sum(r.overhead_s for r in runs) / split_total if split_total else 0.0},
+        "seconds": {"prefill": sum(r.prefill_s for r in runs), "draft": sum(r.draft_s for r in runs),
+                    "verify": sum(r.verify_s for r in runs), "overhead": sum(r.overhead_s for r in runs),
+                    "total": sum(r.total_s for r in runs)},
+        "ttft_ms": metrics.median(r.ttft_s for r in runs) * ms,
+        "itl_token_ms": {"p50": metrics.percentile(token_gaps, 50) * ms if token_gaps else math.nan,
+                         "p95": metrics.percentile(token_gaps, 95) * ms if token_gaps else math.nan},
+        "itl_block_ms": {"p50": metrics.percentile(block_gaps, 50) * ms if block_gaps else math.nan,
+                         "p95": metrics.percentile(block_gaps, 95) * ms if block_gaps else math.nan},
+        "near_ties": sum(r.near_ties for r in runs),
+        "mode_s": mode_s,
+        "rss_peak_mb": max((r.rss_peak_mb for r in runs), default=math.nan),
+    }
+
+
+def bound(cell: dict, config: BenchConfig, costs: dict) -> dict:
+    """Leviathan's predicted speedup for a cell, next to the measured one.
+
+    ``a``: the i.i.d. acceptance fitted to the per-position counts; ``c``: a draft
+    token over a target 1-token step (the micro-benchmark's draft forward for the model
+    drafter; for ngram and composite the run's own draft seconds per drafted token,
+    which for composite includes the draft model's prompt prefill); ``v(k)``: target
+    (k+1)-token step over its 1-token step.
+    """
+    step1 = costs["target_s"].get(1)
+    if not config.speculative or not step1 or not cell["drafted"]:
+        return {"a": None, "c": None, "v": {}, "predicted": None, "efficiency": None}
+    a = cell["acceptance_fit"]
+    if config.drafter == "model" and costs.get("draft_token_s"):
+        c = costs["draft_token_s"] / step1
+    else:
+        c = (cell["seconds"]["draft"] / cell["drafted"]) / step1
+    k_steps = {int(k): n for k, n in cell["k_chosen"].items()}
+    v = {k: costs["target_s"][k + 1] / step1 for k in k_steps if k and (k + 1) in costs["target_s"]}
+    if any(k and k not in v for k in k_steps):
+        return {"a": a, "c": c, "v": v, "predicted": None, "efficiency": None}
+    predicted = metrics.predicted_speedup(a, k_steps, c, v)
+    measured = cell["speedup"]
+    return {"a": a, "c": c, "v": {str(k): x for k, x in sorted(v.items())}, "predicted": predicted,
+            "efficiency": measured / predicted if predicted and not math.isnan(measured) else None}
+
+
+# ----------------------------------------------------------------------------- the run
+def _record(result, workload: Workload, config: str, round_: int, rss: float) -> RunRecord:
+    s = result.stats
+    return RunRecord(workload=workload.id, category=workload.category, config=config, round=round_,
+                     tokens=list(result.token_ids), token_times_s=list(s.token_times_s),
+                     tokens_per_s=s.tokens_per_s, new_tokens=s.new_tokens, finish_reason=result.finish_reason,
+                     ttft_s=s.time_to_first_token_s, prefill_s=s.prefill_s, draft_s=s.draft_s,
+                     verify_s=s.verify_s, overhead_s=s.overhead_s, total_s=s.total_s, steps=s.steps,
+                     drafted=s.drafted, accepted=s.accepted, drafted_per_position=list(s.drafted_per_position),
+                     accepted_per_position=list(s.accepted_per_position), k_chosen=dict(s.k_chosen),
+                     near_ties=s.near_ties, mode_s=dict(s.mode_s), rss_peak_mb=rss)
+
+
+def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:
+    """Compare every run's tokens with its prompt's first baseline run; one entry per difference.
+
+    ``kind`` is "near-tie divergence" when the bundle's target is quantized and the run
+    saw a near-tie (a top-2 logit gap below verify.NEAR_TIE_GAP), where a batched verify
+    may legitimately pick the other token; otherwise "divergence", a real failure.
+    """
+    reference = {r.workload: r for r in runs if r.config == BASELINE and r.round == 0}
+    failures = []
+    for r in runs:
+        ref = reference.get(r.workload)
+        if ref is None or r is ref:
+            continue
+        index = metrics.first_divergence(ref.tokens, r.tokens)
+        if index is None:
+            continue
+        near_tie = quantized and r.near_ties > 0
+        failures.append({
+            "workload": r.workload, "category": r.category, "config": r.config, "round": r.round,
+            "first_divergence": index,
+            "baseline_token": ref.tokens[index] if index < len(ref.tokens) else None,
+            "config_token": r.tokens[index] if index < len(r.tokens) else None,
+            "baseline_tokens": len(ref.tokens), "config_tokens": len(r.tokens), "near_ties": r.near_ties,
+            "kind": "near-tie divergence" if near_tie else "divergence"})
+    return failures
+
+
+def _bundle_name(bundle: Path) -> str:
+    return bundle.resolve().name or "bundle"
+
+
+def run_bench(settings: BenchSettings) -> dict:
+    """Run the whole bench; returns the result document (see report.check_schema)."""
+    from ..runtime.generator import Generator
+
+    started = datetime.now(timezone.utc)
+    suite = load_suite(settings.suite_path) if settings.suite_path else load_suite()
+    selected = suite.select(list(settings.categories) if settings.categories else None, settings.per_category)
+    log = Progress(0, enabled=settings.progress)
+    reset_peak_rss()
+    t_load = time.perf_counter()
+    gen = Generator.from_bundle(settings.bundle, threads=settings.threads,
+                                verify_checksums=settings.verify_checksums)
+    load_s = time.perf_counter() - t_load
+    rss_after_load = peak_rss_mb()
+    manifest = gen.manifest
+    spec = manifest.speculation
+    quantized = manifest.target.precision != "fp32"
+    configs, notes = expand_configs(settings.configs, has_draft=gen.draft is not None,
+                                    max_draft_tokens=spec.max_draft_tokens, k_sweep=settings.k_sweep)
+
+    # Encode; skip what cannot fit (prompt + generation + one verify block of max k + 1).
+    room = settings.max_new_tokens + spec.max_draft_tokens + 1
+    workloads: list[tuple[Workload, list[int], bool]] = []
+    for w in selected:
+        ids, used_chat = w.encode(gen)
+        if len(ids) + room > gen.max_context:
+            notes.append(f"{w.id}: skipped, {len(ids)} prompt tokens + {room} do not fit max_context "
+                         f"{gen.max_context}")
+            continue
+        workloads.append((w, ids, used_chat))
+    if not workloads:
+        raise_no_work(notes)
+
+    # Warm-up: every session shape, then every configuration once.
+    gen.warmup()
+    w0, ids0, chat0 = workloads[0]
+    for config in configs:
+        gen.generate(input_ids=ids0, config=config.generation_config(min(settings.warmup_tokens,
+                                                                         settings.max_new_tokens), chat0))
+
+    # Step costs at the median prompt length.
+    lengths = sorted({k + 1 for k in range(1, max([spec.max_draft_tokens, *settings.k_sweep]) + 1)})
+    median_len = int(np.median([len(ids) for _, ids, _ in workloads]))
+    probe = next((ids for _, ids, _ in workloads if len(ids) >= median_len), ids0)[:median_len]
+    costs = measure_step_costs(gen, probe, lengths, settings.micro_reps)
+
+    # Interleaved rounds.
+    total = len(workloads) * settings.repeats * len(configs)
+    bar = Progress(total, title="specedge bench", enabled=settings.progress)
+    runs: list[RunRecord] = []
+    for w, ids, used_chat in workloads:
+        for r in range(settings.repeats):
+            order = configs if r % 2 == 0 else list(reversed(configs))
+            for config in order:
+                reset_peak_rss()
+                result = gen.generate(input_ids=ids, config=config.generation_config(settings.max_new_tokens,
+                                                                                      used_chat))
+                runs.append(_record(result, w, config.name, r, peak_rss_mb()))
+                bar.advance(f"{w.id} {config.name}")
+    bar.close()
+    rss_specedge = process_peak_rss_mb()
+
+    failures = check_outputs(runs, quantized)
+    baseline = {(r.workload, r.round): r for r in runs if r.config == BASELINE}
+    categories = []
+    for w, _, _ in workloads:
+        if w.category not in categories:
+            categories.append(w.category)
+    by_category: dict[str, dict] = {}
+    for category in categories:
+        cells = {}
+        for config in configs:
+            cell_runs = [r for r in runs if r.category == category and r.config == config.name]
+            cell = aggregate(cell_runs, baseline)
+            cell["bound"] = bound(cell, config, costs)
+            cell["failures"] = sum(1 for f in failures if f["category"] == category and f["config"] == config.name)
+            cells[config.name] = cell
+        by_category[category] = {
+            "prompts": [{"id": w.id, "kind": w.kind, "source": w.source, "prompt_tokens": len(ids),
+                         "chat_template": used_chat,
+                         "baseline_text": gen.codec.decode(next(r.tokens for r in runs if r.workload == w.id
+                                                                and r.config == BASELINE))[:400]}
+                        for w, ids, used_chat in workloads if w.category == category],
+            "configs": cells,
+        }
+
+    peers: dict = {}
+    if settings.peers:
+        from .peers import run_peers
+
+        names = [c.name for c in configs]
+        default = f"{spec.drafter}-adaptive" if f"{spec.drafter}-adaptive" in names else None
+        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), default, log)
+    hard = [f for f in failures if f["kind"] == "divergence"]
+    doc = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "date": started.strftime("%Y-%m-%d"),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "command": settings.command or shlex.join(sys.argv),
+        "machine": machine_info(),
+        "bundle": {"path": str(settings.bundle), "name": _bundle_name(settings.bundle),
+                   "target": {"source": manifest.target.source, "precision": manifest.target.precision,
+                              "architecture": manifest.target.architecture, "n_layers": manifest.target.n_layers,
+                              "hidden_size": manifest.target.hidden_size},
+                   "draft": None if manifest.draft is None else {
+                       "source": manifest.draft.source, "precision": manifest.draft.precision,
+                       "n_layers": manifest.draft.n_layers, "hidden_size": manifest.draft.hidden_size},
+                   "quantized": quantized, "max_context": gen.max_context,
+                   "speculation_defaults": {"drafter": spec.drafter, "draft_tokens": spec.draft_tokens,
+                                            "max_draft_tokens": spec.max_draft_tokens, "adaptive": spec.adaptive}},
+        "settings": {"categories": categories, "per_category": settings.per_category,
+                     "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
+                     "configs": [c.name for c in configs], "k_sweep": list(settings.k_sweep),
+                     "threads": settings.threads, "warmup_tokens": settings.warmup_tokens,
+                     "micro_reps": settings.micro_reps, "quick": settings.quick, "peers": list(settings.peers),
+                     "suite": suite.name, "prompts": [w.id for w, _, _ in workloads]},
+        "load_s": load_s,
+        "memory": {"rss_after_load_mb": rss_after_load, "rss_peak_specedge_mb": rss_specedge,
+                   "rss_peak_process_mb": process_peak_rss_mb()},
+        "step_costs": {"prompt_tokens": costs["prompt_tokens"], "reps": costs["reps"],
+                       "target_s": {str(n): s for n, s in sorted(costs["target_s"].items())},
+                       "draft_token_s": costs["draft_token_s"],
+                       "v": {str(n - 1): s / costs["target_s"][1] for n, s in sorted(costs["target_s"].items())},
+                       "c_model": (costs["draft_token_s"] / costs["target_s"][1]
+                                   if costs["draft_token_s"] else None)},
+        "workloads": by_category,
+        "failures": failures,
+        "notes": notes,
+        "peers": peers,
+        "runs": [r.summary() for r in runs],
+        "summary": {"failures": len(hard), "near_tie_divergences": len(failures) - len(hard),
+                    "exit_code": 1 if hard else 0, "best": best_configs(by_category)},
+    }
+    return doc
+
+
+def best_configs(by_category: dict) -> dict:
+    """Per category: the speculative configuration with the highest median speedup."""
+    out = {}
+    for category, entry in by_category.items():
+        cells = {n: c for n, c in entry["configs"].items() if n != BASELINE and not math.isnan(c["speedup"])}
+        base = entry["configs"][BASELINE]["tokens_per_s"]["median"]
+        if not cells:
+            out[category] = {"config": None, "speedup": None, "baseline_tokens_per_s": base}
+            continue
+        name = max(cells, key=lambda n: cells[n]["speedup"])
+        out[category] = {"config": name, "speedup": cells[name]["speedup"],
+                         "tokens_per_s": cells[name]["tokens_per_s"]["median"], "baseline_tokens_per_s": base}
+    return out
+
+
+def raise_no_work(notes: list[str]) -> None:
+    from ..errors import InvalidParameterError
+
+    raise InvalidParameterError("no prompt to run: " + "; ".join(notes[-3:] or ["the selection is empty"]))

@@ -1,0 +1,609 @@
+"""Native TensorRT engine, and the runtime half of the TensorRT contract.
+
+A TensorRT engine is compiled for one TensorRT version and one GPU model, so a
+bundle records how each engine was built (:class:`EngineRecord`, stored under
+manifest ``extra["engines"][role]``) and :func:`check_engine_compatible`
+refuses an engine this machine cannot run *before* TensorRT is asked to.
+
+:class:`TensorrtEngine` implements the Engine protocol on a deserialized plan:
+one execution context on its own CUDA stream, the optimization profile chosen
+per call from (new tokens, cached positions), and a device-resident KV cache
+(:class:`CudaKVCache`) whose prefix is bound as the past input while the new
+K/V outputs are bound at the address of position ``length``, so the engine
+writes them in place and rollback stays a length change.
+
+``tensorrt`` and ``cuda-python`` are imported lazily; when either is missing
+the engine raises :class:`BackendUnavailableError`. The pure parts (profiles,
+records, the compatibility check, profile selection, chunking) need neither
+and are tested on CPU. Everything that touches a GPU is unverified on hardware
+(see docs/GPU.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ManifestError, ModelLoadError
+from ..manifest import ModelEntry, ModelIO, _get, _relpath, load_manifest, resolve_inside, sha256_file
+from .base import EngineOptions, KVCache
+
+ROUTES = ("ort-trt", "native")  # ONNX Runtime's TensorRT EP with its engine cache, or a plan we build ourselves
+TRT_PRECISIONS = ("fp32", "fp16", "int8")
+REBUILD_HINT = "rebuild with `specedge export --engine tensorrt`"
+# specedge graphs take int64 ids/positions; TensorRT accepts int64 network inputs from 10.0.
+MIN_TENSORRT_MAJOR = 10
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """min/opt/max of one input: its dims (execution tensor) or its values (shape tensor)."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("min", "opt", "max"):
+            object.__setattr__(self, name, tuple(int(d) for d in getattr(self, name)))
+        if not len(self.min) == len(self.opt) == len(self.max):
+            raise InvalidParameterError(f"shape range {self} has min/opt/max of different ranks")
+        if any(not 0 <= lo <= mid <= hi for lo, mid, hi in zip(self.min, self.opt, self.max)):
+            raise InvalidParameterError(f"shape range {self} needs 0 <= min <= opt <= max in every dimension")
+
+    def contains(self, dims: tuple[int, ...]) -> bool:
+        return len(dims) == len(self.min) and all(lo <= d <= hi for lo, d, hi in zip(self.min, dims, self.max))
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "ShapeRange":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object with min, opt and max")
+        dims = {}
+        for key in ("min", "opt", "max"):
+            value = _get(obj, key, where, list)
+            if any(isinstance(d, bool) or not isinstance(d, int) for d in value):
+                raise ManifestError(f"manifest field '{where}.{key}' must be a list of integers")
+            dims[key] = tuple(value)
+        try:
+            return cls(**dims)
+        except InvalidParameterError as exc:
+            raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One TensorRT optimization profile.
+
+    ``shapes``: input name -> dims range for execution tensors (ids, positions, past K/V).
+    ``values``: input name -> *values* range for shape tensors; ``num_logits_to_keep``
+    feeds a Slice start, which TensorRT treats as a shape tensor read from host memory.
+    """
+
+    name: str
+    shapes: dict[str, ShapeRange]
+    values: dict[str, ShapeRange] = field(default_factory=dict)
+
+    def new_tokens(self, io: ModelIO) -> tuple[int, int]:
+        r = self.shapes[io.input_ids]
+        return r.min[1], r.max[1]
+
+    def past_length(self, io: ModelIO) -> tuple[int, int]:
+        r = self.shapes[io.past_key % 0]
+        return r.min[0], r.max[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shapes": {k: r.to_json() for k, r in self.shapes.items()},
+                "values": {k: r.to_json() for k, r in self.values.items()}}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "Profile":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object")
+        shapes = _get(obj, "shapes", where, dict)
+        values = _get(obj, "values", where, dict, optional=True, default={})
+        return cls(name=_get(obj, "name", where, str),
+                   shapes={k: ShapeRange.from_json(v, f"{where}.shapes.{k}") for k, v in shapes.items()},
+                   values={k: ShapeRange.from_json(v, f"{where}.values.{k}") for k, v in values.items()})
+
+
+def select_profile(profiles: list[Profile] | tuple[Profile, ...], io: ModelIO, n: int, past: int) -> int:
+    """Index of the profile for a call with ``n`` new tokens after ``past`` cached positions.
+
+    Of the profiles that fit, the one with the smallest new-token maximum wins: the
+    decode/verify profile was tuned for k+1 tokens, the prefill profile for long prompts.
+    """
+    fitting = []
+    for i, p in enumerate(profiles):
+        (n_lo, n_hi), (past_lo, past_hi) = p.new_tokens(io), p.past_length(io)
+        if n_lo <= n <= n_hi and past_lo <= past <= past_hi:
+            fitting.append((n_hi, i))
+    if not fitting:
+        ranges = ", ".join(f"{p.name}: tokens {p.new_tokens(io)}, past {p.past_length(io)}" for p in profiles)
+        raise InvalidParameterError(f"no TensorRT profile covers {n} new tokens after {past} cached ({ranges})")
+    return min(fitting)[1]
+
+
+def split_tokens(n: int, num_logits: int, max_tokens: int) -> list[int]:
+    """Chunk sizes for a forward of ``n`` tokens through profiles that take at most ``max_tokens``.
+
+    Chunked prefill is exact (the graph takes any past length); the last chunk must hold
+    the ``num_logits`` positions whose logits are returned.
+    """
+    if not 1 <= num_logits <= max_tokens:
+        raise InvalidParameterError(f"{num_logits} logits rows exceed the engine's {max_tokens}-token profiles")
+    if n <= max_tokens:
+        return [n]
+    sizes = [max_tokens] * (n // max_tokens) + ([n % max_tokens] if n % max_tokens else [])
+    if sizes[-1] < num_logits:  # move tokens from the chunk before so the last one holds every logits row
+        deficit = num_logits - sizes[-1]
+        sizes[-2] -= deficit
+        sizes[-1] += deficit
+    return sizes
+
+
+def forward_in_chunks(run: Callable[[np.ndarray, KVCache, int], np.ndarray], input_ids: np.ndarray, kv: KVCache,
+                      num_logits: int, max_tokens: int | None) -> np.ndarray:
+    """Call ``run(ids, kv, num_logits)`` (which advances kv.length) on chunks of at most ``max_tokens``."""
+    n = int(input_ids.shape[0])
+    if n < 1:
+        raise InvalidParameterError("forward needs at least one token")
+    num_logits = max(1, min(num_logits, n))
+    kv.reserve(n)
+    sizes = [n] if max_tokens is None else split_tokens(n, num_logits, max_tokens)
+    offset = 0
+    for i, size in enumerate(sizes):
+        last = i == len(sizes) - 1
+        logits = run(input_ids[offset:offset + size], kv, num_logits if last else 1)
+        offset += size
+    return logits
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """How one bundle model's TensorRT engine was built; manifest ``extra["engines"][role]``."""
+
+    route: str  # one of ROUTES
+    tensorrt_version: str  # "10.3.0"; "" when the builder could not tell (ort-trt without the tensorrt module)
+    gpu_name: str  # e.g. "NVIDIA H200": engines are tuned for one device model
+    compute_capability: str  # e.g. "9.0"
+    precision: str  # one of TRT_PRECISIONS
+    profiles: tuple[Profile, ...]
+    file: str  # bundle-relative: the plan (native) or the TensorRT EP's cache folder (ort-trt)
+    sha256: str  # of the plan, or of the EP's .engine file; "" when the EP wrote none we could identify
+    cache_key: str
+    provider_options: dict[str, str] = field(default_factory=dict)  # ort-trt: EP options, cache paths relative
+    onnxruntime_version: str = ""  # ort-trt: the EP's cache layout follows ONNX Runtime's version
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise InvalidParameterError(f"engine route must be one of {', '.join(ROUTES)}; got {self.route!r}")
+        if self.precision not in TRT_PRECISIONS:
+            raise InvalidParameterError(f"engine precision must be one of {', '.join(TRT_PRECISIONS)}; "
+                                        f"got {self.precision!r}")
+        if not self.profiles:
+            raise InvalidParameterError("an engine record needs at least one optimization profile")
+
+    def max_new_tokens(self, io: ModelIO) -> int:
+        """The largest n any profile accepts: longer forwards are split into chunks."""
+        return max(p.new_tokens(io)[1] for p in self.profiles)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"route": self.route, "tensorrt_version": self.tensorrt_version, "gpu_name": self.gpu_name,
+                "compute_capability": self.compute_capability, "precision": self.precision,
+                "profiles": [p.to_json() for p in self.profiles], "file": self.file, "sha256": self.sha256,
+                "cache_key": self.cache_key, "provider_options": dict(self.provider_options),
+                "onnxruntime_version": self.onnxruntime_version}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "extra.engines") -> "EngineRecord":
+        """Validate a decoded record; raises ManifestError naming the bad field."""
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object")
+        text = {k: _get(obj, k, where, str) for k in ("route", "tensorrt_version", "gpu_name",
+                                                      "compute_capability", "precision", "sha256", "cache_key")}
+        options = _get(obj, "provider_options", where, dict, optional=True, default={})
+        if any(not isinstance(v, str) for v in options.values()):
+            raise ManifestError(f"manifest field '{where}.provider_options' must map names to strings")
+        profiles = _get(obj, "profiles", where, list)
+        try:
+            return cls(**text, file=_relpath(_get(obj, "file", where, str), f"{where}.file"),
+                       profiles=tuple(Profile.from_json(p, f"{where}.profiles[{i}]") for i, p in enumerate(profiles)),
+                       provider_options=dict(options),
+                       onnxruntime_version=_get(obj, "onnxruntime_version", where, str, optional=True, default=""))
+        except InvalidParameterError as exc:
+            raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What this machine offers an engine; None where it cannot be determined."""
+
+    tensorrt_version: str | None
+    gpu_name: str | None
+    compute_capability: str | None
+
+
+def major_minor_patch(version: str) -> str:
+    """'10.3.0.26' -> '10.3.0': plans carry major.minor.patch; the build number does not change the format."""
+    return ".".join(version.split(".")[:3])
+
+
+def check_engine_compatible(record: EngineRecord, facts: RuntimeFacts, role: str = "model") -> None:
+    """Raise BackendUnavailableError when this machine cannot run the recorded engine.
+
+    TensorRT plans are tied to the exact TensorRT version and, unless built
+    hardware-compatible (specedge does not), to one GPU model. A fact this machine
+    cannot determine (None) or the builder did not record ("") is not compared.
+    """
+    checks = (
+        ("TensorRT", record.tensorrt_version and major_minor_patch(record.tensorrt_version),
+         facts.tensorrt_version and major_minor_patch(facts.tensorrt_version)),
+        ("compute capability", record.compute_capability, facts.compute_capability),
+        ("GPU", record.gpu_name, facts.gpu_name),
+    )
+    for what, built, here in checks:
+        if built and here and built != here:
+            raise BackendUnavailableError(
+                f"the {role} TensorRT engine was built for {what} {built} but this machine has {what} {here}; "
+                f"{REBUILD_HINT}")
+
+
+# --------------------------------------------------------------------------- machine facts
+
+
+def import_tensorrt():
+    """The ``tensorrt`` module, or BackendUnavailableError saying how to install it."""
+    try:
+        import tensorrt as trt
+    except (ImportError, OSError) as exc:  # OSError: the wheel is there but libnvinfer is not
+        raise BackendUnavailableError(
+            f"TensorRT's Python package is not usable here ({exc}); install it from NVIDIA's index "
+            "(pip install --extra-index-url https://pypi.nvidia.com tensorrt; see docs/GPU.md)") from None
+    major = int(trt.__version__.split(".")[0])
+    if major < MIN_TENSORRT_MAJOR:
+        raise BackendUnavailableError(f"TensorRT {trt.__version__} is too old: specedge graphs take int64 inputs, "
+                                      f"which TensorRT supports from {MIN_TENSORRT_MAJOR}.0")
+    return trt
+
+
+def import_cudart():
+    """cuda-python's runtime module (new and old import paths), or BackendUnavailableError."""
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart  # older cuda-python
+        except ImportError:
+            raise BackendUnavailableError("cuda-python is not installed (pip install cuda-python); the native "
+                                          "TensorRT engine allocates its device buffers through it") from None
+    return cudart
+
+
+def cuda_call(result: tuple, what: str) -> Any:
+    """Unwrap a cuda-python ``(error, *values)`` result; raise on any error."""
+    err, *values = result
+    if int(err) != 0:  # cudaSuccess
+        raise BackendUnavailableError(f"{what} failed: {err}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _libnvinfer_version() -> str | None:
+    """TensorRT's version from libnvinfer itself, for machines without the tensorrt module."""
+    names = ["libnvinfer.so.11", "libnvinfer.so.10", "libnvinfer.so"]
+    spec = importlib.util.find_spec("tensorrt_libs")  # where NVIDIA's wheel puts the libraries
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        names = [str(folder / n) for n in names] + names
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.getInferLibVersion.restype = ctypes.c_int32
+        v = int(lib.getInferLibVersion())
+        # NvInferVersion.h: major*10000 + minor*100 + patch from TensorRT 10 (8.x used major*1000).
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 100000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    return None
+
+
+def tensorrt_version() -> str | None:
+    try:
+        import tensorrt as trt
+
+        return str(trt.__version__)
+    except (ImportError, OSError):
+        return _libnvinfer_version()
+
+
+def nvidia_smi_gpus() -> list[dict[str, Any]]:
+    """GPUs as nvidia-smi lists them (PCI order); [] when nvidia-smi is absent or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    fields = ["index", "name", "compute_cap", "memory.total", "driver_version"]
+    for query in (fields, [f for f in fields if f != "compute_cap"]):  # compute_cap needs driver >= 510
+        try:
+            out = subprocess.run([exe, f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        if out.returncode == 0:
+            break
+    else:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        row = dict(zip(query, (cell.strip() for cell in line.split(","))))
+        gpus.append({"index": int(row["index"]), "name": row["name"],
+                     "compute_capability": row.get("compute_cap"),
+                     "memory_mib": int(row["memory.total"]) if row["memory.total"].isdigit() else None,
+                     "driver": row["driver_version"]})
+    return gpus
+
+
+def _gpu_facts(device_id: int) -> tuple[str | None, str | None]:
+    try:
+        cudart = import_cudart()
+        prop = cuda_call(cudart.cudaGetDeviceProperties(device_id), "cudaGetDeviceProperties")
+        name = prop.name.decode() if isinstance(prop.name, bytes) else str(prop.name)
+        return name.rstrip("\x00").strip(), f"{prop.major}.{prop.minor}"
+    except BackendUnavailableError:
+        pass
+    # nvidia-smi counts in PCI order; a numeric CUDA_VISIBLE_DEVICES renumbers what CUDA sees.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [int(v) for v in visible.split(",") if v.strip().isdigit()]
+    physical = ids[device_id] if device_id < len(ids) else device_id
+    for gpu in nvidia_smi_gpus():
+        if gpu["index"] == physical:
+            return gpu["name"], gpu["compute_capability"]
+    return None, None
+
+
+def runtime_facts(device_id: int = 0) -> RuntimeFacts:
+    name, capability = _gpu_facts(device_id)
+    return RuntimeFacts(tensorrt_version=tensorrt_version(), gpu_name=name, compute_capability=capability)
+
+
+def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, EngineRecord | None]:
+    """(bundle root, role, the role's engine record or None) for a model whose graph is ``graph``."""
+    root = Path(graph)
+    for _ in PurePosixPath(entry.graph).parts:
+        root = root.parent
+    manifest = load_manifest(root, verify_checksums=False)  # the caller verified it when it loaded the bundle
+    role = next((r for r, m in manifest.models().items() if m.graph == entry.graph), "model")
+    engines = manifest.extra.get("engines", {})
+    if not isinstance(engines, dict):
+        raise ManifestError("manifest field 'extra.engines' must be an object keyed by model role")
+    raw = engines.get(role)
+    return root, role, (EngineRecord.from_json(raw, f"extra.engines.{role}") if raw is not None else None)
+
+
+# --------------------------------------------------------------------------- native engine
+
+
+class CudaKVCache(KVCache):
+    """KVCache interface over ``cudaMalloc`` buffers, ``[capacity, n_kv_heads, head_dim]`` per layer.
+
+    ``keys[i]`` / ``values[i]`` are device pointers (int). Position-major, so the
+    committed prefix is contiguous and position p starts ``p * row_bytes`` in.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
+                 cudart) -> None:
+        self._cudart = cudart
+        self.dtype = np.dtype(dtype)
+        self.shape = (capacity, n_kv_heads, head_dim)
+        self.row_bytes = n_kv_heads * head_dim * self.dtype.itemsize
+        self.capacity = capacity
+        self.length = 0
+        size = capacity * self.row_bytes
+        self.keys = [cuda_call(cudart.cudaMalloc(size), "cudaMalloc(KV cache)") for _ in range(n_layers)]
+        self.values = [cuda_call(cudart.cudaMalloc(size), "cudaMalloc(KV cache)") for _ in range(n_layers)]
+
+    def key_ptr(self, layer: int, position: int = 0) -> int:
+        return int(self.keys[layer]) + position * self.row_bytes
+
+    def value_ptr(self, layer: int, position: int = 0) -> int:
+        return int(self.values[layer]) + position * self.row_bytes
+
+    def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the committed ``[:length]`` K and V of one layer (for tests and debugging)."""
+        out = []
+        for ptr in (self.keys[layer], self.values[layer]):
+            host = np.empty((self.length,) + self.shape[1:], self.dtype)
+            if host.nbytes:
+                cuda_call(self._cudart.cudaMemcpy(host.ctypes.data, ptr, host.nbytes,
+                                                  self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
+            out.append(host)
+        return out[0], out[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * len(self.keys) * self.capacity * self.row_bytes
+
+    def close(self) -> None:
+        for ptr in self.keys + self.values:
+            self._cudart.cudaFree(ptr)
+        self.keys, self.values = [], []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown may have torn cuda-python down already
+            pass
+
+
+class _Pinned:
+    """Page-locked host memory seen as a numpy array, so H2D/D2H copies are truly async."""
+
+    def __init__(self, cudart, count: int, dtype: np.dtype) -> None:
+        self._cudart = cudart
+        dtype = np.dtype(dtype)
+        self.ptr = int(cuda_call(cudart.cudaMallocHost(max(1, count) * dtype.itemsize), "cudaMallocHost"))
+        ctype = np.ctypeslib.as_ctypes_type(dtype)
+        self.array = np.ctypeslib.as_array(ctypes.cast(self.ptr, ctypes.POINTER(ctype)), shape=(max(1, count),))
+
+    def __del__(self) -> None:
+        try:
+            self._cudart.cudaFreeHost(self.ptr)
+        except Exception:
+            pass
+
+
+class TensorrtEngine:
+    """Runs a serialized TensorRT plan of one bundle model; see :class:`specedge.engines.base.Engine`."""
+
+    def __init__(self, entry: ModelEntry, plan_path: Path, options: EngineOptions = EngineOptions(),
+                 record: EngineRecord | None = None, role: str = "model") -> None:
+        trt = import_tensorrt()
+        cudart = self._cudart = import_cudart()
+        if record is not None:
+            check_engine_compatible(record, runtime_facts(options.device_id), role)
+        self.entry = entry
+        self.options = options
+        self.vocab_size = entry.vocab_size
+        self.max_context = entry.max_context
+        self._kv_dtype = np.dtype(entry.kv_dtype)
+        cuda_call(cudart.cudaSetDevice(options.device_id), "cudaSetDevice")
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
+        if self.engine is None:
+            raise ModelLoadError(f"TensorRT could not deserialize {Path(plan_path).name} (see the TensorRT log "
+                                 f"above): corrupt, or built by another TensorRT; {REBUILD_HINT}")
+        self._check_io(trt)
+        self.context = self.engine.create_execution_context()
+        # Each engine owns a stream, so a draft and a target engine can run concurrently on one GPU.
+        self.stream = int(cuda_call(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
+                                    "cudaStreamCreateWithFlags"))
+        io = entry.io
+        self.profiles = tuple(self._read_profile(i) for i in range(self.engine.num_optimization_profiles))
+        self.max_tokens = max(p.new_tokens(io)[1] for p in self.profiles)
+        self._active_profile = -1
+        # num_logits_to_keep feeds a Slice start, so TensorRT reads it from host memory as a shape tensor.
+        self._keep_on_host = bool(self.engine.is_shape_inference_io(io.num_logits))
+        v = entry.vocab_size
+        self._ids = _Pinned(cudart, self.max_tokens, np.int64)
+        self._positions = _Pinned(cudart, self.max_tokens, np.int64)
+        self._keep = _Pinned(cudart, 1, np.int64)
+        self._logits = _Pinned(cudart, self.max_tokens * v, np.float32)
+        self._ids_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
+        self._positions_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
+        self._keep_dev = cuda_call(cudart.cudaMalloc(8), "cudaMalloc")
+        self._logits_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * v * 4), "cudaMalloc")
+        self._layers = [(io.past_key % i, io.past_value % i, io.new_key % i, io.new_value % i)
+                        for i in range(entry.n_layers)]
+
+    def _check_io(self, trt) -> None:
+        io, e = self.entry.io, self.entry
+        have = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        need = {io.input_ids, io.positions, io.num_logits, io.logits}
+        for i in range(e.n_layers):
+            need |= {io.past_key % i, io.past_value % i, io.new_key % i, io.new_value % i}
+        missing = sorted(need - have)
+        if missing:
+            raise ModelLoadError(f"TensorRT engine for {e.graph} lacks tensors the manifest names: {missing[:6]}; "
+                                 f"{REBUILD_HINT}")
+        kv_type = np.dtype(trt.nptype(self.engine.get_tensor_dtype(io.past_key % 0)))
+        if kv_type != self._kv_dtype:
+            raise ModelLoadError(f"TensorRT engine for {e.graph} takes {kv_type} K/V but the manifest says "
+                                 f"{self._kv_dtype}; {REBUILD_HINT}")
+
+    def _read_profile(self, index: int) -> Profile:
+        """The new-token and past-length ranges of one profile, as the plan itself records them."""
+        io = self.entry.io
+        shapes = {}
+        for name in (io.input_ids, io.past_key % 0):
+            lo, mid, hi = self.engine.get_tensor_profile_shape(name, index)
+            shapes[name] = ShapeRange(tuple(lo), tuple(mid), tuple(hi))
+        return Profile(name=f"profile{index}", shapes=shapes)
+
+    def new_cache(self) -> CudaKVCache:
+        e = self.entry
+        return CudaKVCache(e.n_layers, e.n_kv_heads, e.head_dim, e.max_context, self._kv_dtype, self._cudart)
+
+    def forward(self, input_ids: np.ndarray, kv: CudaKVCache, num_logits: int = 1) -> np.ndarray:
+        """Run n new tokens; returns float32 ``[num_logits, vocab]``, a view valid until the next call."""
+        if not isinstance(kv, CudaKVCache):
+            raise InvalidParameterError("TensorrtEngine.forward needs the cache from its own new_cache()")
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
+        return forward_in_chunks(self._run, ids, kv, num_logits, self.max_tokens)
+
+    def _run(self, ids: np.ndarray, kv: CudaKVCache, num_logits: int) -> np.ndarray:
+        cudart, ctx, io, e = self._cudart, self.context, self.entry.io, self.entry
+        n, start = int(ids.shape[0]), kv.length
+        profile = select_profile(self.profiles, io, n, start)
+        if profile != self._active_profile:
+            if not ctx.set_optimization_profile_async(profile, self.stream):
+                raise BackendUnavailableError(f"TensorRT refused optimization profile {profile}")
+            self._active_profile = profile
+        h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self._ids.array[:n] = ids
+        self._positions.array[:n] = np.arange(start, start + n, dtype=np.int64)
+        self._keep.array[0] = num_logits
+        cuda_call(cudart.cudaMemcpyAsync(self._ids_dev, self._ids.ptr, n * 8, h2d, self.stream), "cudaMemcpyAsync")
+        cuda_call(cudart.cudaMemcpyAsync(self._positions_dev, self._positions.ptr, n * 8, h2d, self.stream),
+                  "cudaMemcpyAsync")
+        if not self._keep_on_host:
+            cuda_call(cudart.cudaMemcpyAsync(self._keep_dev, self._keep.ptr, 8, h2d, self.stream), "cudaMemcpyAsync")
+
+        ctx.set_input_shape(io.input_ids, (1, n))
+        ctx.set_input_shape(io.positions, (1, n))
+        ctx.set_tensor_address(io.input_ids, int(self._ids_dev))
+        ctx.set_tensor_address(io.positions, int(self._positions_dev))
+        ctx.set_tensor_address(io.num_logits, self._keep.ptr if self._keep_on_host else int(self._keep_dev))
+        past_shape = (start, e.n_kv_heads, e.head_dim)
+        for layer, (pk, pv, nk, nv) in enumerate(self._layers):
+            ctx.set_input_shape(pk, past_shape)
+            ctx.set_input_shape(pv, past_shape)
+            ctx.set_tensor_address(pk, kv.key_ptr(layer))  # the committed prefix, read in place
+            ctx.set_tensor_address(pv, kv.value_ptr(layer))
+            ctx.set_tensor_address(nk, kv.key_ptr(layer, start))  # new K/V land right after it
+            ctx.set_tensor_address(nv, kv.value_ptr(layer, start))
+        ctx.set_tensor_address(io.logits, int(self._logits_dev))
+        if not ctx.execute_async_v3(self.stream):
+            raise BackendUnavailableError(f"TensorRT failed to run {e.graph} on {n} tokens after {start} cached "
+                                          "(see the TensorRT log above)")
+        rows = num_logits * e.vocab_size
+        cuda_call(cudart.cudaMemcpyAsync(self._logits.ptr, self._logits_dev, rows * 4,
+                                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
+                  "cudaMemcpyAsync")
+        cuda_call(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        kv.length = start + n
+        return self._logits.array[:rows].reshape(num_logits, e.vocab_size)
+
+
+def create_tensorrt_engine(entry: ModelEntry, graph: Path, options: EngineOptions) -> TensorrtEngine:
+    """The ``tensorrt`` backend: the plan the bundle's engine record names for this model."""
+    root, role, record = bundle_engine_record(entry, graph)
+    if record is None or record.route != "native":
+        raise BackendUnavailableError(f"the bundle has no native TensorRT engine for its {role} model; build one "
+                                      "with `specedge export --engine tensorrt --trt-route native`")
+    plan = resolve_inside(root, record.file)
+    if not plan.is_file():
+        raise BackendUnavailableError(f"the {role} TensorRT plan {record.file} is missing; {REBUILD_HINT}")
+    return TensorrtEngine(entry, plan, options, record, role)
+
+
+def verify_record_file(root: Path, record: EngineRecord, path: Path, role: str) -> None:
+    """Refuse an engine file whose sha256 differs from the record (corrupt or replaced)."""
+    if record.sha256 and path.is_file() and sha256_file(path) != record.sha256:
+        raise ChecksumError(f"the {role} TensorRT engine {path.relative_to(root)} differs from the one the "
+                            f"manifest records (corrupt or replaced); {REBUILD_HINT}")

@@ -1,0 +1,367 @@
+"""`specedge bench`: the numbers it reports mean what its definitions say.
+
+Guards these invariants:
+- speedup is the median of paired per-round ratios, not a ratio of medians;
+- inter-token latency per token gives 0 inside a block, per block one gap per block;
+- Leviathan's bound and the fitted acceptance follow the formulas in bench/metrics.py;
+- any token difference from the baseline is a failure with its first index, except a
+  near-tie on a quantized target, which is labelled "near-tie divergence";
+- the prompt suite has >= 24 prompts, every category, a source on each, long passages
+  for the grounded ones and message lists for the voice ones;
+- end to end on a tiny exported bundle: the JSON holds every configuration of every
+  workload, matches the schema, and a speculative run equals the baseline (exit 0);
+  a divergence makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specedge.bench import metrics
+from specedge.bench.configs import BenchConfig, expand_configs, parse_config_name
+from specedge.bench.progress import Progress
+from specedge.bench.report import check_schema, clean, plot, render_markdown, to_json, write_results
+from specedge.bench.runner import RunRecord, check_outputs
+from specedge.bench.suite import CATEGORIES, SUITE_PATH, load_suite
+from specedge.errors import InvalidParameterError
+
+# ----------------------------------------------------------------------------- pure statistics
+
+
+def test_speedup_is_the_median_of_paired_ratios_not_a_ratio_of_medians():
+    # Round 2 ran on a slow machine for both: the paired ratio is 2x every round.
+    spec = [20.0, 10.0, 22.0]
+    base = [10.0, 5.0, 11.0]
+    assert metrics.median_pairwise_ratio(spec, base) == pytest.approx(2.0)
+    # A ratio of medians would mix rounds; with unpaired drift it differs.
+    assert metrics.median([20.0, 10.0, 30.0]) / metrics.median([10.0, 12.0, 11.0]) != pytest.approx(
+        metrics.median_pairwise_ratio([20.0, 10.0, 30.0], [10.0, 12.0, 11.0]))
+
+
+def test_pairwise_ratios_skip_zero_denominators_and_refuse_unequal_lengths():
+    assert metrics.pairwise_ratios([1.0, 2.0], [0.0, 4.0]) == [0.5]
+    with pytest.raises(ValueError, match="equal lengths"):
+        metrics.pairwise_ratios([1.0], [1.0, 2.0])
+    assert math.isnan(metrics.median_pairwise_ratio([1.0], [0.0]))
+
+
+def test_percentiles_interpolate_linearly_and_iqr_is_p75_minus_p25():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert metrics.percentile(values, 50) == 3.0
+    assert metrics.percentile(values, 95) == pytest.approx(4.8)
+    assert metrics.iqr(values) == pytest.approx(2.0)
+    assert math.isnan(metrics.percentile([], 50))
+    with pytest.raises(ValueError, match="q must be in"):
+        metrics.percentile(values, 101)
+
+
+def test_token_gaps_are_zero_inside_a_block_and_block_gaps_count_blocks():
+    # Blocks: [t0] at 0.1, [t1 t2 t3] at 0.3, [t4] at 0.6.
+    times = [0.1, 0.3, 0.3, 0.3, 0.6]
+    assert metrics.token_gaps(times) == pytest.approx([0.2, 0.0, 0.0, 0.3])
+    assert metrics.block_gaps(times) == pytest.approx([0.2, 0.3])
+    assert metrics.token_gaps([0.5]) == [] and metrics.block_gaps([0.5]) == []
+
+
+def test_leviathan_formula():
+    # (1 - 0.8^5) / ((1 - 0.8)(4 * 0.1 + 1.2)) = 0.67232 / 0.32
+    assert metrics.leviathan_speedup(0.8, 4, 0.1, 1.2) == pytest.approx(0.67232 / 0.32)
+    assert metrics.leviathan_speedup(1.0, 4, 0.0, 1.0) == pytest.approx(5.0)  # all accepted, free draft
+    assert metrics.leviathan_speedup(0.0, 4, 0.1, 1.2) == pytest.approx(1 / 1.6)  # nothing accepted
+    with pytest.raises(ValueError):
+        metrics.leviathan_speedup(1.5, 4, 0.1, 1.0)
+
+
+def test_predicted_speedup_mixes_steps_and_reduces_to_leviathan_for_one_k():
+    v = {4: 1.2, 2: 1.1}
+    assert metrics.predicted_speedup(0.8, {4: 10}, 0.1, v) == pytest.approx(metrics.leviathan_speedup(0.8, 4, 0.1, 1.2))
+    assert metrics.predicted_speedup(0.5, {0: 7}, 0.1, v) == pytest.approx(1.0)  # plain steps only
+    mixed = metrics.predicted_speedup(0.8, {4: 1, 0: 1}, 0.1, v)
+    assert mixed == pytest.approx((metrics.expected_tokens(0.8, 4) + 1) / (0.4 + 1.2 + 1))
+
+
+def test_fit_acceptance_recovers_an_iid_rate():
+    a = 0.7
+    drafted = [1000] * 6
+    accepted = [round(1000 * a ** (i + 1)) for i in range(6)]
+    assert metrics.fit_acceptance(drafted, accepted) == pytest.approx(a, abs=2e-3)
+    assert metrics.fit_acceptance([5, 5], [0, 0]) == 0.0
+    assert metrics.fit_acceptance([5, 5], [5, 5]) == 1.0
+    assert math.isnan(metrics.fit_acceptance([], []))
+
+
+def test_first_divergence_index():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2  # stopped early
+    assert metrics.first_divergence([], [7]) == 0
+
+
+def _run(config: str, tokens: list[int], *, round_: int = 0, near_ties: int = 0, workload: str = "w") -> RunRecord:
+    return RunRecord(workload=workload, category="code", config=config, round=round_, tokens=tokens,
+                     token_times_s=[0.1 * i for i in range(len(tokens))], tokens_per_s=10.0, new_tokens=len(tokens),
+                     finish_reason="length", ttft_s=0.1, prefill_s=0.1, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+                     total_s=1.0, steps=1, drafted=0, accepted=0, drafted_per_position=[],
+                     accepted_per_position=[], k_chosen={}, near_ties=near_ties, mode_s={}, rss_peak_mb=1.0)
+
+
+def test_any_difference_from_the_baseline_is_a_failure_with_its_first_index():
+    runs = [_run("baseline", [5, 6, 7, 8]), _run("model-k4", [5, 6, 7, 8]), _run("ngram-k2", [5, 6, 9, 8]),
+            _run("baseline", [5, 6, 7, 8], round_=1)]
+    failures = check_outputs(runs, quantized=False)
+    assert [(f["config"], f["first_divergence"], f["kind"]) for f in failures] == [("ngram-k2", 2, "divergence")]
+    assert failures[0]["baseline_token"] == 7 and failures[0]["config_token"] == 9
+
+
+def test_a_nondeterministic_baseline_repeat_is_a_failure_too():
+    runs = [_run("baseline", [5, 6, 7]), _run("baseline", [5, 1, 7], round_=1)]
+    assert [(f["config"], f["round"]) for f in check_outputs(runs, quantized=False)] == [("baseline", 1)]
+
+
+def test_near_tie_divergence_only_excuses_a_quantized_target():
+    runs = [_run("baseline", [5, 6, 7]), _run("model-k4", [5, 6, 1], near_ties=2)]
+    assert check_outputs(runs, quantized=True)[0]["kind"] == "near-tie divergence"
+    assert check_outputs(runs, quantized=False)[0]["kind"] == "divergence"
+    no_tie = [_run("baseline", [5, 6, 7]), _run("model-k4", [5, 6, 1], near_ties=0)]
+    assert check_outputs(no_tie, quantized=True)[0]["kind"] == "divergence"
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+def test_config_names_and_expansion():
+    assert parse_config_name("model-k4") == BenchConfig("model-k4", "model", 4)
+    assert parse_config_name("ngram-adaptive").adaptive
+    assert not parse_config_name("baseline").speculative
+    with pytest.raises(InvalidParameterError, match="unknown bench configuration"):
+        parse_config_name("medusa-k4")
+    configs, notes = expand_configs(None, has_draft=True, max_draft_tokens=8)
+    assert configs[0].name == "baseline" and len(configs) == 1 + 3 * 5
+    configs, notes = expand_configs(None, has_draft=False, max_draft_tokens=8)
+    assert [c.name for c in configs] == ["baseline", "ngram-k2", "ngram-k4", "ngram-k6", "ngram-k8", "ngram-adaptive"]
+    assert any("no draft model" in n for n in notes)
+    configs, notes = expand_configs("model-k6,ngram-k2", has_draft=True, max_draft_tokens=4)
+    assert [c.name for c in configs] == ["baseline", "ngram-k2"] and "max_draft_tokens" in notes[0]
+
+
+def test_generation_configs_force_what_the_name_says():
+    base = BenchConfig("baseline").generation_config(32)
+    assert base.speculation is False and base.max_new_tokens == 32
+    fixed = parse_config_name("composite-k6").generation_config(32, chat=False)
+    assert (fixed.drafter, fixed.draft_tokens, fixed.adaptive, fixed.chat) == ("composite", 6, False, False)
+    adaptive = parse_config_name("model-adaptive").generation_config(32)
+    assert adaptive.adaptive is True and adaptive.draft_tokens is None
+
+
+# ----------------------------------------------------------------------------- the prompt suite
+
+
+def test_the_suite_ships_at_least_24_prompts_in_every_category_each_with_a_source():
+    suite = load_suite()
+    assert SUITE_PATH.is_file()
+    assert len(suite.workloads) >= 24
+    assert {w.category for w in suite.workloads} == set(CATEGORIES)
+    assert all(w.source == "written for specedge" for w in suite.workloads)
+    assert len({w.id for w in suite.workloads}) == len(suite.workloads)
+
+
+def test_grounded_prompts_carry_a_long_passage_and_voice_prompts_are_multi_turn():
+    suite = load_suite()
+    grounded = [w for w in suite.workloads if w.category == "grounded"]
+    assert {w.kind for w in grounded} >= {"summarise", "edit", "extract"}
+    assert all(len(w.prompt.split()) >= 150 for w in grounded)
+    voice = [w for w in suite.workloads if w.category == "voice"]
+    assert voice and all(w.messages and sum(m["role"] == "user" for m in w.messages) >= 2 for w in voice)
+    hostile = {w.kind for w in suite.workloads if w.category == "hostile"}
+    assert hostile >= {"random tokens", "other language"}
+
+
+def test_suite_selection_takes_the_first_n_per_category(tmp_path):
+    suite = load_suite()
+    chosen = suite.select(["grounded", "code"], 2)
+    assert [w.category for w in chosen] == ["grounded", "grounded", "code", "code"]
+    with pytest.raises(InvalidParameterError, match="unknown workload"):
+        suite.select(["poetry"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prompts": [{"id": "x", "category": "code", "prompt": "p"}]}))
+    with pytest.raises(InvalidParameterError, match="'source'"):
+        load_suite(bad)
+
+
+def test_progress_bar_writes_to_its_stream_only_when_enabled():
+    stream = io.StringIO()
+    bar = Progress(4, stream=stream, every=2)
+    for _ in range(4):
+        bar.advance("x")
+    assert "4/4" in stream.getvalue() and "[####" in stream.getvalue()
+    quiet = io.StringIO()
+    Progress(4, stream=quiet, enabled=False).advance("x")
+    assert quiet.getvalue() == ""
+
+
+def test_json_is_strict_nan_becomes_null():
+    assert json.loads(to_json({"a": math.nan, "b": [math.inf, 1.0], 3: "x"})) == {"a": None, "b": [None, 1.0],
+                                                                                   "3": "x"}
+    assert clean((1, 2)) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- end to end on a tiny bundle
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer random Llama (vocab 300, WordLevel tokenizer) exported with an int4 self-draft."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specedge.export.bundle import ExportConfig, export_bundle
+
+    root = tmp_path_factory.mktemp("bench")
+    hf = root / "hf"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      eos_token_id=1, bos_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t2"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t1", bos_token="t0",
+                                         unk_token="t2").save_pretrained(hf)
+    bundle = root / "bundle"
+    export_bundle(ExportConfig(target=str(hf), out=bundle, draft="self-int4", max_context=1024, quiet=True))
+    return {"root": root, "hf": hf, "bundle": bundle}
+
+
+def _bench(args: list[str], env: dict | None = None):
+    from specedge.cli.main import main
+
+    return CliRunner().invoke(main, ["bench", *args], env=env, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny):
+    out = tiny["root"] / "results"
+    out.mkdir()
+    json_path = tiny["root"] / "quick.json"
+    result = _bench([str(tiny["bundle"]), "--quick", "--json", str(json_path), "--out", str(out), "--no-progress"])
+    return result, json.loads(json_path.read_text()), out
+
+
+def test_quick_bench_runs_every_config_on_every_workload_without_failures(quick_run):
+    result, doc, _ = quick_run
+    assert result.exit_code == 0, result.output
+    check_schema(doc)
+    expected = {"baseline"} | {f"{d}-{v}" for d in ("model", "ngram", "composite") for v in ("k4", "adaptive")}
+    assert set(doc["settings"]["configs"]) == expected
+    assert set(doc["workloads"]) == set(CATEGORIES)
+    for entry in doc["workloads"].values():
+        assert set(entry["configs"]) == expected
+        assert all(c["runs"] == 1 for c in entry["configs"].values())
+        assert entry["configs"]["baseline"]["speedup"] == pytest.approx(1.0)
+    assert doc["failures"] == [] and doc["summary"]["exit_code"] == 0
+    # The micro-benchmark measured every verify length a k up to max_draft_tokens needs.
+    assert set(doc["step_costs"]["target_s"]) >= {str(n) for n in range(1, 10)}
+    assert doc["step_costs"]["c_model"] > 0
+
+
+def test_quick_bench_reports_leviathan_next_to_the_measurement(quick_run):
+    _, doc, _ = quick_run
+    cell = doc["workloads"]["grounded"]["configs"]["model-k4"]
+    b = cell["bound"]
+    assert b["predicted"] == pytest.approx(metrics.predicted_speedup(
+        b["a"], {int(k): n for k, n in cell["k_chosen"].items()}, b["c"], {int(k): x for k, x in b["v"].items()}))
+    assert b["efficiency"] == pytest.approx(cell["speedup"] / b["predicted"])
+
+
+def test_markdown_table_and_results_files(quick_run):
+    result, doc, out = quick_run
+    assert "| config | tok/s (IQR) | speedup |" in result.output
+    assert "## grounded" in result.output and "token for token" in result.output
+    md = sorted(out.glob("*.md"))
+    js = sorted(out.glob("*.json"))
+    assert len(md) == 1 and len(js) == 1 and md[0].name == f"{doc['date']}-bundle.md"
+    text = md[0].read_text()
+    assert doc["machine"]["cpu"] in text and "onnxruntime" in text and "specedge bench" in text
+    assert json.loads(js[0].read_text())["command"] == doc["command"]
+
+
+def test_rendered_failures_are_listed_with_their_first_divergence(quick_run):
+    _, doc, _ = quick_run
+    broken = json.loads(json.dumps(doc))
+    broken["failures"] = [{"workload": "code-py-dataclass", "category": "code", "config": "model-k4", "round": 0,
+                           "first_divergence": 7, "baseline_token": 3, "config_token": 4, "near_ties": 0,
+                           "kind": "divergence"}]
+    broken["summary"]["failures"] = 1
+    text = render_markdown(broken)
+    assert "FAILED: 1" in text and "| code-py-dataclass | model-k4 | 0 | 7 | 3 vs 4 | 0 | divergence |" in text
+    check_schema(broken)
+    with pytest.raises(InvalidParameterError, match="step_costs"):
+        check_schema({k: v for k, v in doc.items() if k != "step_costs"})
+
+
+def test_bare_json_flag_prints_only_json_to_stdout(tiny):
+    result = _bench([str(tiny["bundle"]), "--quick", "--json", "--no-progress", "--workloads", "voice",
+                     "--configs", "ngram-k2"])
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["settings"]["configs"] == ["baseline", "ngram-k2"] and list(doc["workloads"]) == ["voice"]
+
+
+def test_a_divergence_makes_the_bench_exit_non_zero(tiny, monkeypatch):
+    from specedge.bench import runner
+
+    def fake_check(runs, quantized):
+        spec = next(r for r in runs if r.config != "baseline")
+        return [{"workload": spec.workload, "category": spec.category, "config": spec.config, "round": 0,
+                 "first_divergence": 0, "baseline_token": 1, "config_token": 2, "near_ties": 0,
+                 "kind": "divergence"}]
+
+    monkeypatch.setattr(runner, "check_outputs", fake_check)
+    result = _bench([str(tiny["bundle"]), "--quick", "--no-progress", "--workloads", "chat", "--configs", "ngram-k4"])
+    assert result.exit_code == 1
+    assert "FAILED: 1 speculative run(s) differ" in result.output
+
+
+def test_hf_peer_on_the_same_checkpoint_gives_our_tokens_and_absent_peers_are_skipped(tiny, tmp_path):
+    pytest.importorskip("transformers")
+    result = _bench([str(tiny["bundle"]), "--quick", "--json", "--no-progress", "--workloads", "code,voice",
+                     "--configs", "ngram-k4", "--peers", "hf,llamacpp,nosuch", "--hf-target", str(tiny["hf"])],
+                    env={"SPECEDGE_CACHE": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    peers = json.loads(result.stdout)["peers"]
+    hf = peers["hf"]["configs"]
+    assert set(hf) == {"hf-plain", "hf-prompt-lookup"}  # a self-int4 draft has no HF checkpoint to assist with
+    assert any("assisted generation skipped" in n for n in peers["hf"]["notes"])
+    for cells in hf.values():
+        for cell in cells.values():
+            assert cell["same_text"] == 1.0  # fp32 torch vs fp32 ORT on the same weights
+            assert cell["ratio_baseline"] is not None
+    assert "skipped" in peers["llamacpp"] and "unknown peer" in peers["nosuch"]["skipped"]
+
+
+def test_plot_needs_matplotlib_and_says_how_to_get_it(quick_run, tmp_path, monkeypatch):
+    _, doc, _ = quick_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(InvalidParameterError, match=r"pip install 'specedge\[plot\]'"):
+        plot(doc, tmp_path / "p.png")
+
+
+def test_plot_draws_speedup_vs_k_and_acceptance_per_position(quick_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, doc, _ = quick_run
+    path = plot(doc, tmp_path / "p.png")
+    assert path.stat().st_size > 1000
+
+
+def test_write_results_to_a_stem(quick_run, tmp_path):
+    _, doc, _ = quick_run
+    md, js = write_results(doc, tmp_path / "sub" / "run.json")
+    assert md == tmp_path / "sub" / "run.md" and js.is_file()
