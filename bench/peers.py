@@ -140,7 +140,7 @@ def _interleaved(jobs: list[Job], configs: list[str], repeats: int):
 
 
 # ----------------------------------------------------------------------------- hf
-def run_hf(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+def run_hf(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -206,7 +206,7 @@ def run_hf(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
 
     for config in configs:  # warm-up: first-call allocations, thread pools
         generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(configs), settings.repeats, generate, log, "hf")
+    runs = _run_all(jobs, list(configs), settings, generate, log, "hf", companions)
     info = {"folder": str(target_dir), "draft_folder": str(draft_dir) if draft_dir else None, "threads": threads,
             "dtype": "float32", "prompt_lookup_num_tokens": k, "configs": list(configs),
             "transformers": __import__("transformers").__version__, "torch": torch.__version__}
@@ -250,7 +250,7 @@ def _set_genai_threads(model_dir: Path, threads: int) -> None:
     path.write_text(json.dumps(cfg, indent=4))
 
 
-def run_genai(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+def run_genai(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
     try:
         import numpy as np
         import onnxruntime_genai as og
@@ -304,7 +304,7 @@ def run_genai(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]
 
     for config in configs:
         generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(configs), settings.repeats, generate, log, "genai")
+    runs = _run_all(jobs, list(configs), settings, generate, log, "genai", companions)
     info = {"hf_folder": str(hf_dir), "precisions": list(precisions), "threads": settings.threads,
             "ngram": {"ngram_size": 3, "max_draft_tokens": k}, "configs": list(configs),
             "onnxruntime_genai": og.__version__}
@@ -312,7 +312,7 @@ def run_genai(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-def run_llamacpp(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], dict]:
+def run_llamacpp(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
     try:
         import llama_cpp
         from llama_cpp import Llama
@@ -349,7 +349,7 @@ def run_llamacpp(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], di
 
     for config in engines:
         generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(engines), settings.repeats, generate, log, "llamacpp")
+    runs = _run_all(jobs, list(engines), settings, generate, log, "llamacpp", companions)
     info = {"gguf": str(path), "threads": threads, "num_pred_tokens": k, "configs": list(engines),
             "llama_cpp_python": llama_cpp.__version__}
     return runs, {"info": info, "notes": [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); "
@@ -359,13 +359,17 @@ def run_llamacpp(settings, gen, jobs: list[Job], log) -> tuple[list[PeerRun], di
 RUNNERS = {"hf": run_hf, "genai": run_genai, "llamacpp": run_llamacpp}
 
 
-def _run_all(jobs: list[Job], configs: list[str], repeats: int, generate, log, title: str) -> list[PeerRun]:
+def _run_all(jobs: list[Job], configs: list[str], settings, generate, log, title: str,
+             companions: dict) -> list[PeerRun]:
+    """The peer's configurations interleaved with our companion runs (same prompts, same lengths)."""
     from .progress import Progress
 
-    bar = Progress(len(jobs) * repeats * len(configs), title=f"peer {title}", enabled=log.enabled)
+    repeats = settings.peer_repeats
+    order = list(configs) + list(companions)
+    bar = Progress(len(jobs) * repeats * len(order), title=f"peer {title}", enabled=log.enabled)
     runs = []
-    for job, r, config in _interleaved(jobs, configs, repeats):
-        run = generate(job, config, job.max_new_tokens)
+    for job, r, config in _interleaved(jobs, order, repeats):
+        run = companions[config](job) if config in companions else generate(job, config, job.max_new_tokens)
         run.round = r
         runs.append(run)
         bar.advance(f"{job.workload} {config}")
@@ -374,6 +378,10 @@ def _run_all(jobs: list[Job], configs: list[str], repeats: int, generate, log, t
 
 
 # ----------------------------------------------------------------------------- summary
+OURS_BASELINE = "specedge-baseline"
+OURS_BEST = "specedge-best"
+
+
 def _median_tps_per_prompt(runs, config: str) -> dict[str, float]:
     by: dict[str, list[float]] = {}
     for r in runs:
@@ -382,31 +390,35 @@ def _median_tps_per_prompt(runs, config: str) -> dict[str, float]:
     return {w: metrics.median(v) for w, v in by.items()}
 
 
-def summarise(peer_runs: list[PeerRun], jobs: list[Job], our_runs, best: dict, default_config: str | None) -> dict:
+def _ratio(ours: dict[str, float], theirs: dict[str, float]) -> float | None:
+    ratios = [ours[w] / theirs[w] for w in ours if theirs.get(w)]
+    return metrics.median(ratios) if ratios else None
+
+
+def summarise(peer_runs: list[PeerRun], jobs: list[Job], best: dict) -> dict:
     """Per peer configuration and category: tok/s, TTFT, same text as ours, and our tok/s over theirs.
 
-    ``ratio_best``: median over prompts of (our best speculative configuration's median
-    tok/s on the prompt / the peer's); ``ratio_default`` the same for the bundle's default
-    configuration; ``ratio_baseline``: our plain decoding over the peer's (the engines alone).
+    Ratios come from our companion runs interleaved with the peer's (``specedge-best``:
+    the category's best speculative configuration; ``specedge-baseline``: plain
+    decoding), so the machine's drift between the bench phases cancels too.
+    ``ratio_best``: median over prompts of (our best's median tok/s / the peer's);
+    ``ratio_baseline``: the same for our plain decoding (the engines alone).
     """
     out: dict = {}
     by_job = {j.workload: j for j in jobs}
     categories = list(dict.fromkeys(j.category for j in jobs))
+    ours_best = _median_tps_per_prompt(peer_runs, OURS_BEST)
+    ours_base = _median_tps_per_prompt(peer_runs, OURS_BASELINE)
     for config in dict.fromkeys(r.config for r in peer_runs):
-        peer_tps = _median_tps_per_prompt(peer_runs, config)
+        if config in (OURS_BEST, OURS_BASELINE):
+            continue
         cells = {}
         for category in categories:
             runs = [r for r in peer_runs if r.config == config and r.category == category]
             first = {r.workload: r for r in runs if r.round == 0}
             divergence = {w: metrics.first_divergence(by_job[w].reference, r.tokens) for w, r in first.items()}
-
-            def ratio(our_config):
-                if not our_config:
-                    return None
-                ours = _median_tps_per_prompt([r for r in our_runs if r.category == category], our_config)
-                ratios = [ours[w] / peer_tps[w] for w in ours if w in peer_tps and peer_tps[w] > 0]
-                return metrics.median(ratios) if ratios else None
-
+            theirs = _median_tps_per_prompt(runs, config)
+            in_cat = {j.workload for j in jobs if j.category == category}
             tps = [r.tokens_per_s for r in runs if r.tokens_per_s > 0]
             cells[category] = {
                 "tokens_per_s": {"median": metrics.median(tps), "iqr": metrics.iqr(tps)},
@@ -415,18 +427,38 @@ def summarise(peer_runs: list[PeerRun], jobs: list[Job], our_runs, best: dict, d
                 "same_text": sum(1 for d in divergence.values() if d is None) / len(divergence) if divergence else None,
                 "first_divergence": divergence,
                 "best_config": best.get(category, {}).get("config"),
-                "ratio_best": ratio(best.get(category, {}).get("config")),
-                "ratio_default": ratio(default_config),
-                "ratio_baseline": ratio(BASELINE),
+                "ours_best_tokens_per_s": metrics.median(v for w, v in ours_best.items() if w in in_cat),
+                "ours_baseline_tokens_per_s": metrics.median(v for w, v in ours_base.items() if w in in_cat),
+                "ratio_best": _ratio({w: v for w, v in ours_best.items() if w in in_cat}, theirs),
+                "ratio_baseline": _ratio({w: v for w, v in ours_base.items() if w in in_cat}, theirs),
             }
         out[config] = cells
     return out
 
 
-def run_peers(settings, gen, workloads, our_runs, best: dict, default_config: str | None, log) -> dict:
-    """Run every requested peer; returns {peer: {"skipped": why} | {"info", "notes", "configs"}}."""
+def _companions(gen, best: dict) -> dict:
+    """Our runs to interleave with a peer's: plain decoding and the category's best configuration."""
+    from .configs import BenchConfig, parse_config_name
+
+    def run(job: Job, config: BenchConfig, label: str) -> PeerRun:
+        result = gen.generate(input_ids=job.prompt_ids, config=config.generation_config(job.max_new_tokens))
+        return PeerRun(job.workload, job.category, label, 0, list(result.token_ids), list(result.stats.token_times_s))
+
+    def best_run(job: Job) -> PeerRun:
+        name = best.get(job.category, {}).get("config")
+        return run(job, parse_config_name(name) if name else BenchConfig(BASELINE), OURS_BEST)
+
+    return {OURS_BASELINE: lambda job: run(job, BenchConfig(BASELINE), OURS_BASELINE), OURS_BEST: best_run}
+
+
+def run_peers(settings, gen, workloads, our_runs, best: dict, log) -> dict:
+    """Run every requested peer; returns {peer: {"skipped": why} | {"info", "notes", "configs", "runs"}}."""
+    # Under CPU contention, OpenMP's default spin-waiting (torch, llama.cpp) collapses: measured
+    # here, a 16-token torch generate went from 2 s to 20 s. Passive waiting is the peers' best case.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
     jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
+    companions = _companions(gen, best)
     results: dict = {}
     for peer in settings.peers:
         runner = RUNNERS.get(peer)
@@ -434,7 +466,7 @@ def run_peers(settings, gen, workloads, our_runs, best: dict, default_config: st
             results[peer] = {"skipped": f"unknown peer {peer!r}; known: {', '.join(PEERS)}"}
             continue
         try:
-            peer_runs, extra = runner(settings, gen, jobs, log)
+            peer_runs, extra = runner(settings, gen, jobs, log, companions)
         except PeerSkipped as exc:
             log.note(f"peer {peer}: skipped: {exc}")
             results[peer] = {"skipped": str(exc)}
@@ -443,7 +475,8 @@ def run_peers(settings, gen, workloads, our_runs, best: dict, default_config: st
             log.note(f"peer {peer}: failed: {type(exc).__name__}: {exc}")
             results[peer] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
             continue
-        results[peer] = {**extra, "configs": summarise(peer_runs, jobs, our_runs, best, default_config),
+        extra["info"]["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        results[peer] = {**extra, "configs": summarise(peer_runs, jobs, best),
                          "runs": [{"workload": r.workload, "config": r.config, "round": r.round,
                                    "tokens": len(r.tokens), "tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s}
                                   for r in peer_runs]}

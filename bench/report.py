@@ -26,6 +26,12 @@ DEFINITIONS = """\
   1-token step and v(k) = target (k+1)-token step / 1-token step, mixed over the k the run chose.
   **eff** = measured speedup / predicted.
 """
+PEER_DEFINITIONS = """\
+- **peers**: each gets our prompt token ids and is asked for as many tokens as our baseline produced; tok/s
+  has our definition. **ours / peer** ratios use our runs (plain, and the workload's best configuration)
+  interleaved with the peer's, per prompt, median over prompts. **same text**: share of prompts whose peer
+  tokens equal our baseline's.
+"""
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -109,7 +115,8 @@ def render_markdown(doc: dict) -> str:
     out.append(f"- command: `{doc['command']}`")
     out.append(f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('usable_cores')} usable), {m['ram_gb']} GB RAM, "
                f"{m.get('os', '')}; python {m.get('python')}, onnxruntime {m['onnxruntime']}, "
-               f"numpy {m.get('numpy')}, specedge {m.get('specedge')}")
+               f"numpy {m.get('numpy')}, specedge {m.get('specedge')}; load average (1/5/15 min) at start "
+               f"{m.get('load_average_start')}, at end {m.get('load_average_end')}")
     draft = b.get("draft")
     out.append(f"- bundle: `{b['path']}`: target {b['target']['source']} ({b['target']['precision']}), draft "
                + (f"{draft['source']} ({draft['precision']})" if draft else "none")
@@ -216,13 +223,16 @@ def render_markdown(doc: dict) -> str:
                     rows.append([category, cfg, f"{_f(c['tokens_per_s']['median'])} ({_f(c['tokens_per_s']['iqr'])})",
                                  _f(c["ttft_ms"], 0), _f(c["tokens"], 0),
                                  _f(c["same_text"] and 100 * c["same_text"], 0, "%"),
-                                 f"{c.get('best_config') or '–'} {_f(c['ratio_best'], 2, 'x')}",
-                                 _f(c["ratio_default"], 2, "x"), _f(c["ratio_baseline"], 2, "x")])
+                                 f"{c.get('best_config') or '–'} {_f(c['ours_best_tokens_per_s'])} tok/s: "
+                                 f"{_f(c['ratio_best'], 2, 'x')}",
+                                 f"{_f(c['ours_baseline_tokens_per_s'])} tok/s: {_f(c['ratio_baseline'], 2, 'x')}"])
             out += [_table(["workload", "peer config", "tok/s (IQR)", "TTFT ms", "tokens", "same text as ours",
-                            "ours best / peer", "ours default / peer", "our baseline / peer"], rows), ""]
+                            "ours best / peer", "our baseline / peer"], rows), ""]
     if doc["notes"]:
         out += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
     out += ["## Definitions", "", DEFINITIONS]
+    if doc["peers"]:
+        out.append(PEER_DEFINITIONS)
     return "\n".join(out)
 
 

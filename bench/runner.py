@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import re
-import resource
 import shlex
 import sys
 import time
@@ -57,6 +56,7 @@ class BenchSettings:
     warmup_tokens: int = 16  # tokens per warm-up run of each configuration
     micro_reps: int = 10  # repetitions per step-cost measurement (medians)
     peers: tuple[str, ...] = ()
+    peer_repeats: int = 1  # rounds per prompt for the peers (HF on torch CPU is slow)
     peer_options: dict = field(default_factory=dict)  # hf_target, hf_draft, gguf, genai_precision, ...
     quick: bool = False
     suite_path: Path | None = None
@@ -126,16 +126,17 @@ def reset_peak_rss() -> bool:
 def peak_rss_mb() -> float:
     """Peak resident memory in MB: VmHWM (since the last reset) where Linux has it, else getrusage."""
     hwm = _read_status("VmHWM")
-    if hwm is not None:
-        return hwm
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, kB on Linux
+    return hwm if hwm is not None else process_peak_rss_mb()
 
 
 def process_peak_rss_mb() -> float:
-    """The process's lifetime peak (getrusage), unaffected by resets."""
+    """The process's lifetime peak (getrusage), unaffected by resets; NaN where getrusage is missing."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return math.nan
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, kB on Linux
 
 
 # ----------------------------------------------------------------------------- machine
@@ -161,7 +162,11 @@ def machine_info() -> dict:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "ram_gb": ram_gb,
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "ram_gb": ram_gb, "load_average": load,
             "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "specedge": __version__}
 
@@ -341,6 +346,7 @@ def run_bench(settings: BenchSettings) -> dict:
     suite = load_suite(settings.suite_path) if settings.suite_path else load_suite()
     selected = suite.select(list(settings.categories) if settings.categories else None, settings.per_category)
     log = Progress(0, enabled=settings.progress)
+    load_start = machine_info()["load_average"]
     reset_peak_rss()
     t_load = time.perf_counter()
     gen = Generator.from_bundle(settings.bundle, threads=settings.threads,
@@ -423,17 +429,18 @@ def run_bench(settings: BenchSettings) -> dict:
     if settings.peers:
         from .peers import run_peers
 
-        names = [c.name for c in configs]
-        default = f"{spec.drafter}-adaptive" if f"{spec.drafter}-adaptive" in names else None
-        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), default, log)
+        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), log)
     hard = [f for f in failures if f["kind"] == "divergence"]
+    machine = machine_info()
+    machine["load_average_end"] = machine.pop("load_average")
+    machine["load_average_start"] = load_start
     doc = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "date": started.strftime("%Y-%m-%d"),
         "started_utc": started.isoformat(timespec="seconds"),
         "command": settings.command or shlex.join(sys.argv),
-        "machine": machine_info(),
+        "machine": machine,
         "bundle": {"path": str(settings.bundle), "name": _bundle_name(settings.bundle),
                    "target": {"source": manifest.target.source, "precision": manifest.target.precision,
                               "architecture": manifest.target.architecture, "n_layers": manifest.target.n_layers,
@@ -449,6 +456,7 @@ def run_bench(settings: BenchSettings) -> dict:
                      "configs": [c.name for c in configs], "k_sweep": list(settings.k_sweep),
                      "threads": settings.threads, "warmup_tokens": settings.warmup_tokens,
                      "micro_reps": settings.micro_reps, "quick": settings.quick, "peers": list(settings.peers),
+                     "peer_repeats": settings.peer_repeats,
                      "suite": suite.name, "prompts": [w.id for w, _, _ in workloads]},
         "load_s": load_s,
         "memory": {"rss_after_load_mb": rss_after_load, "rss_peak_specedge_mb": rss_specedge,

@@ -35,6 +35,8 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
               help="Intra-op threads per session, and for the peers (0 = ORT default).")
 @click.option("--peers", default=None, help="Comma list of peer runtimes: hf,genai,llamacpp (skipped with a "
               "message when absent).")
+@click.option("--peer-repeats", type=int, default=1, show_default=True,
+              help="Rounds per prompt for the peers (each round also reruns our baseline and best configuration).")
 @click.option("--hf-target", default=None, help="HF folder of the target for the peers (default: the "
               "exporter's converted folder for the bundle's source).")
 @click.option("--hf-draft", default=None, help="HF folder of the draft, for HF assisted generation.")
@@ -56,8 +58,8 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
 def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs, k_sweep, threads, peers,
-          hf_target, hf_draft, gguf, genai_precision, lookup_tokens, json_out, plot_out, out, quick, suite,
-          no_progress, no_verify_checksums) -> None:
+          peer_repeats, hf_target, hf_draft, gguf, genai_precision, lookup_tokens, json_out, plot_out, out, quick,
+          suite, no_progress, no_verify_checksums) -> None:
     """Benchmark BUNDLE: plain decoding vs every drafter, k sweep and adaptive k, and peer runtimes.
 
     Runs are interleaved after a warm-up; speedups are medians of paired ratios. Every
@@ -85,7 +87,7 @@ def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, config
         bundle=bundle, categories=_csv(workloads), per_category=values["per_category"],
         max_new_tokens=values["max_new_tokens"], repeats=values["repeats"], configs=configs, k_sweep=sweep,
         threads=threads, warmup_tokens=values["warmup_tokens"], micro_reps=values["micro_reps"],
-        peers=_csv(peers) or (), quick=quick, suite_path=suite, progress=not no_progress,
+        peers=_csv(peers) or (), peer_repeats=peer_repeats, quick=quick, suite_path=suite, progress=not no_progress,
         verify_checksums=not no_verify_checksums, command=shlex.join(["specedge", "bench", *sys.argv[2:]])
         if len(sys.argv) > 1 and sys.argv[1] == "bench" else shlex.join(sys.argv),
         peer_options={"hf_target": hf_target, "hf_draft": hf_draft, "gguf": gguf, "lookup_tokens": lookup_tokens,

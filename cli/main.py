@@ -288,5 +288,10 @@ from .bench import bench  # noqa: E402
 main.add_command(bench)
 
 
+from .doctor import doctor  # noqa: E402
+
+main.add_command(doctor)
+
+
 if __name__ == "__main__":
     main()

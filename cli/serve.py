@@ -59,10 +59,11 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                     fg="yellow", err=True)
     import logging
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     specedge: %(message)s"))  # uvicorn's look
     server_log = logging.getLogger("specedge.server")
-    server_log.addHandler(handler)
+    if not server_log.handlers:  # once per process, however often the command runs (tests)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     specedge: %(message)s"))  # uvicorn's look
+        server_log.addHandler(handler)
     server_log.setLevel(log_level.upper())
     generator = Generator.from_bundle(bundle, provider=provider, threads=threads,
                                       verify_checksums=not no_verify_checksums, load_draft=not no_speculation)

@@ -240,6 +240,17 @@ class RuntimeFacts:
     compute_capability: str | None
 
 
+def check_tensorrt_graph(entry: ModelEntry, role: str = "model") -> None:
+    """Refuse graphs TensorRT cannot take whole: ORT contrib ops would leave it, to run on the CPU."""
+    if entry.attention == "gqa":
+        raise InvalidParameterError(f"the {role} graph uses ONNX Runtime's fused GroupQueryAttention, which "
+                                    "TensorRT cannot parse; export with --attention standard for TensorRT")
+    if entry.precision in ("int4", "int8"):
+        raise InvalidParameterError(f"the {role} model is {entry.precision}: MatMulNBits, an ONNX Runtime operator "
+                                    "TensorRT cannot parse; run it on the CUDA EP (backend onnxruntime-gpu, "
+                                    "provider cuda), or export it at fp16 for TensorRT")
+
+
 def major_minor_patch(version: str) -> str:
     """'10.3.0.26' -> '10.3.0': plans carry major.minor.patch; the build number does not change the format."""
     return ".".join(version.split(".")[:3])
@@ -408,6 +419,7 @@ class CudaKVCache(KVCache):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
                  cudart) -> None:
         self._cudart = cudart
+        self.layout = "position-major"  # the only layout TensorRT graphs have (no fused GQA)
         self.dtype = np.dtype(dtype)
         self.shape = (capacity, n_kv_heads, head_dim)
         self.row_bytes = n_kv_heads * head_dim * self.dtype.itemsize
@@ -472,6 +484,7 @@ class TensorrtEngine:
 
     def __init__(self, entry: ModelEntry, plan_path: Path, options: EngineOptions = EngineOptions(),
                  record: EngineRecord | None = None, role: str = "model") -> None:
+        check_tensorrt_graph(entry, role)
         trt = import_tensorrt()
         cudart = self._cudart = import_cudart()
         if record is not None:
@@ -549,6 +562,8 @@ class TensorrtEngine:
     def _run(self, ids: np.ndarray, kv: CudaKVCache, num_logits: int) -> np.ndarray:
         cudart, ctx, io, e = self._cudart, self.context, self.entry.io, self.entry
         n, start = int(ids.shape[0]), kv.length
+        # The loop's pipelined mode calls the target from a worker thread, whose current device is 0.
+        cuda_call(cudart.cudaSetDevice(self.options.device_id), "cudaSetDevice")
         profile = select_profile(self.profiles, io, n, start)
         if profile != self._active_profile:
             if not ctx.set_optimization_profile_async(profile, self.stream):

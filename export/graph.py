@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-OPSET = 17
+OPSET = 18  # ReduceMean takes axes as an input from 18 on, as ORT's int4 quantizer (opset 21) expects
 _ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
 # Tensors above this many bytes go to the external data file; tiny ones (norm weights
 # are a few KB) stay inline so the graph is readable in Netron.
@@ -289,8 +289,8 @@ def _norm(b: _Builder, s: DecoderSpec, x: str, weight: np.ndarray, bias: np.ndar
     # Computed in fp32 even for fp16 graphs: the mean of squares overflows fp16.
     xf = b.one("Cast", [x], to=TensorProto.FLOAT) if b.dtype != np.float32 else x
     # Pow(x, 2) (not Mul(x, x)) is the pattern ORT's SimplifiedLayerNormFusion matches.
-    var = b.one("ReduceMean", [b.one("Pow", [xf, b.const(b.name("two"), np.array(2.0, np.float32))])],
-                axes=[-1], keepdims=1)
+    var = b.one("ReduceMean", [b.one("Pow", [xf, b.const(b.name("two"), np.array(2.0, np.float32))]),
+                               b.ints(b.name("axes"), [-1])], keepdims=1)
     eps = b.const(b.name("eps"), np.array(s.norm_eps, np.float32))
     normed = b.one("Div", [xf, b.one("Sqrt", [b.one("Add", [var, eps])])])
     if b.dtype != np.float32:

@@ -36,7 +36,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from ..engines.tensorrt import (ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange, check_engine_compatible,
-                                import_cudart, import_tensorrt, major_minor_patch, runtime_facts)
+                                check_tensorrt_graph, import_cudart, import_tensorrt, major_minor_patch,
+                                runtime_facts)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file, write_manifest
 
@@ -65,6 +66,7 @@ def verify_profiles(entry: ModelEntry, max_draft_tokens: int, max_prompt: int, *
     Only ``step`` when max_prompt fits in it. ``num_logits_to_keep`` gets *values*
     ranges, since TensorRT treats it as a shape tensor.
     """
+    check_tensorrt_graph(entry)  # the shapes below are the standard graph's inputs
     io, ctx = entry.io, entry.max_context
     if not 1 <= max_draft_tokens <= ctx - 1:
         raise InvalidParameterError(f"max_draft_tokens must be in [1, max_context - 1 = {ctx - 1}]; "
@@ -292,10 +294,7 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
                                     "their int8/int4 is weight-only MatMulNBits)")
     manifest = load_manifest(bundle)  # with checksums: an engine built from a corrupt graph would be trusted later
     for role, entry in manifest.models().items():
-        if route == "native" and entry.precision in ("int4", "int8"):
-            raise InvalidParameterError(f"the {role} model is {entry.precision} (MatMulNBits, an ONNX Runtime "
-                                        "operator TensorRT cannot parse); use route ort-trt, which runs those "
-                                        "nodes on the CUDA EP")
+        check_tensorrt_graph(entry, role)
     if route == "native":
         import_tensorrt()
         import_cudart()

@@ -46,6 +46,7 @@ _NEUTRAL_CHAT: dict[str, tuple] = {
     "parallel_tool_calls": (True, False),  # meaningless without tools
     "response_format": ({"type": "text"},),
     "store": (False,),
+    "service_tier": ("auto", "default"),  # Pipecat passes its setting through
 }
 _NEUTRAL_COMPLETIONS: dict[str, tuple] = {
     **_NEUTRAL_COMMON,
@@ -54,8 +55,10 @@ _NEUTRAL_COMPLETIONS: dict[str, tuple] = {
     "suffix": ("",),
     "logprobs": (),  # even 0 asks for the sampled token's logprob; only null is off
 }
+# Labels that change nothing about the output: validated, then ignored.
+_INFORMATIONAL = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "n", "user", "specedge"}
+           "n", "specedge"} | set(_INFORMATIONAL)
 _CHAT_KNOWN = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL_CHAT)
 _COMPLETIONS_KNOWN = _COMMON | {"prompt"} | set(_NEUTRAL_COMPLETIONS)
 
@@ -244,9 +247,9 @@ def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     top_k = _int(body, "top_k", minimum=-1)  # vLLM's extension; -1 and 0 both mean "off"
     seed = _int(body, "seed", minimum=0)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _bad("user", "user must be a string")
+    for name, kind in _INFORMATIONAL.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise _bad(name, f"{name} must be {'a string' if kind is str else 'an object'}")
     try:
         return GenerationConfig(
             max_new_tokens=max_tokens,

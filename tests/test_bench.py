@@ -19,7 +19,6 @@ import io
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -334,7 +333,7 @@ def test_hf_peer_on_the_same_checkpoint_gives_our_tokens_and_absent_peers_are_sk
     pytest.importorskip("transformers")
     result = _bench([str(tiny["bundle"]), "--quick", "--json", "--no-progress", "--workloads", "code,voice",
                      "--configs", "ngram-k4", "--peers", "hf,llamacpp,nosuch", "--hf-target", str(tiny["hf"])],
-                    env={"SPECEDGE_CACHE": str(tmp_path)})
+                    env={"SPECEDGE_CACHE": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"})
     assert result.exit_code == 0, result.output
     peers = json.loads(result.stdout)["peers"]
     hf = peers["hf"]["configs"]

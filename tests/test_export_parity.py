@@ -2,7 +2,8 @@
 
 - ORT logits equal transformers' logits (max abs diff < 1e-4) for a prefill, a
   1-token step on top of that past, and a multi-token (verify-sized) step on top
-  of a past, for llama (GQA), qwen2 (tied embeddings, qkv bias) and gpt2.
+  of a past, for llama (GQA), qwen2 (tied embeddings, qkv bias) and gpt2, with
+  both attention graphs (ORT's fused GroupQueryAttention and plain ops).
 - The K/V the engine writes into the loop-owned cache are transformers' K/V
   (rotary applied), position-major, and a rewind followed by new tokens gives the
   logits of the new sequence: rollback is only a length change.
@@ -47,10 +48,21 @@ def _torch_forward(model, ids: np.ndarray):
     return out.logits[0].numpy(), keys, values
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_ort_logits_match_pytorch_on_prefill_step_and_verify(arch, tiny_model, arch_bundle):
+# gpt2 has no rotary embedding, so it always gets the standard graph.
+ARCH_ATTENTION = [(arch, att) for arch in ARCHS for att in ("gqa", "standard") if arch != "gpt2" or att == "standard"]
+
+
+def _positions(buf: np.ndarray, layout: str) -> np.ndarray:
+    """A cache buffer as [capacity, kv_heads, head_dim], whatever its layout."""
+    return buf if layout == "position-major" else buf[0].transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("arch, attention", ARCH_ATTENTION)
+def test_ort_logits_match_pytorch_on_prefill_step_and_verify(arch, attention, tiny_model, export):
     reference, ref_keys, ref_values = _torch_forward(load_hf(tiny_model(arch)), SEQ)
-    engine = _engine(arch_bundle(arch))
+    bundle = export(tiny_model(arch), attention=attention)
+    assert load_manifest(bundle).target.attention == attention
+    engine = _engine(bundle)
     kv = engine.new_cache()
 
     prefill = engine.forward(SEQ[:PREFILL], kv, num_logits=PREFILL).copy()
@@ -69,14 +81,15 @@ def test_ort_logits_match_pytorch_on_prefill_step_and_verify(arch, tiny_model, a
     total = PREFILL + 1 + VERIFY
     assert kv.length == total
     for layer in range(len(ref_keys)):
-        assert np.abs(kv.keys[layer][:total] - ref_keys[layer][:total]).max() < PARITY_ATOL
-        assert np.abs(kv.values[layer][:total] - ref_values[layer][:total]).max() < PARITY_ATOL
+        keys, values = _positions(kv.keys[layer], kv.layout), _positions(kv.values[layer], kv.layout)
+        assert np.abs(keys[:total] - ref_keys[layer][:total]).max() < PARITY_ATOL
+        assert np.abs(values[:total] - ref_values[layer][:total]).max() < PARITY_ATOL
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_rewind_then_new_tokens_gives_the_logits_of_the_new_sequence(arch, tiny_model, arch_bundle):
+@pytest.mark.parametrize("arch, attention", [("llama", "gqa"), ("llama", "standard"), ("gpt2", "standard")])
+def test_rewind_then_new_tokens_gives_the_logits_of_the_new_sequence(arch, attention, tiny_model, export):
     model = load_hf(tiny_model(arch))
-    engine = _engine(arch_bundle(arch))
+    engine = _engine(export(tiny_model(arch), attention=attention))
     kv = engine.new_cache()
     engine.forward(SEQ[:PREFILL], kv, num_logits=1)
     engine.forward(SEQ[PREFILL:PREFILL + 6], kv, num_logits=6)  # a "verify" whose last 4 are rejected
@@ -89,14 +102,16 @@ def test_rewind_then_new_tokens_gives_the_logits_of_the_new_sequence(arch, tiny_
     assert np.abs(got - reference[-3:]).max() < PARITY_ATOL
 
 
-def test_io_binding_and_plain_runs_agree(llama_bundle):
+@pytest.mark.parametrize("attention", ["gqa", "standard"])
+def test_io_binding_and_plain_runs_agree(attention, tiny_model, export):
+    bundle = export(tiny_model("llama"), attention=attention)
     results = []
     for binding in (True, False):
-        engine = _engine(llama_bundle, use_io_binding=binding)
+        engine = _engine(bundle, use_io_binding=binding)
         kv = engine.new_cache()
         a = engine.forward(SEQ[:PREFILL], kv, num_logits=2).copy()
         b = engine.forward(SEQ[PREFILL:], kv, num_logits=len(SEQ) - PREFILL).copy()
-        results.append((a, b, [k[:kv.length].copy() for k in kv.keys]))
+        results.append((a, b, [_positions(k, kv.layout)[:kv.length].copy() for k in kv.keys]))
     (a1, b1, k1), (a2, b2, k2) = results
     np.testing.assert_allclose(a1, a2, atol=1e-6)
     np.testing.assert_allclose(b1, b2, atol=1e-6)

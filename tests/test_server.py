@@ -461,6 +461,8 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"user": 5}, "user"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"logprobs": True}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": None}, "messages"),
@@ -482,7 +484,8 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(served, gen):
     # What voice frameworks send by default must not fail.
     body = {"model": MODEL, "messages": _chat("t10"), "max_tokens": 4, "temperature": 0, "frequency_penalty": 0,
             "presence_penalty": 0.0, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
-            "logprobs": False, "user": "caller-1", "n": 1, "top_logprobs": None}
+            "logprobs": False, "user": "caller-1", "n": 1, "top_logprobs": None, "service_tier": "auto",
+            "metadata": {"call": "42"}, "safety_identifier": "caller-1"}
     response = served.post("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     want = gen.generate(messages=_chat("t10"), max_new_tokens=4, temperature=0)
@@ -546,3 +549,30 @@ def test_missing_or_wrong_api_key_is_401(served, key):
 def test_unknown_route_and_wrong_method_answer_openai_errors(served):
     _error(httpx.get(served.url + "/v1/nothing", timeout=10), 404)
     _error(httpx.get(served.url + "/v1/chat/completions", timeout=10), 405)
+
+
+# ----------------------------------------------------------------------------- the command line
+def test_serve_command_passes_its_options_to_the_app(gen, monkeypatch):
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    result = CliRunner().invoke(main, ["serve", str(gen.bundle), "--port", "8123", "--api-key", "k1",
+                                       "--queue-size", "3", "--max-body-bytes", "999", "--model-name", "m",
+                                       "--no-speculation", "--no-warmup"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (ran["host"], ran["port"]) == ("127.0.0.1", 8123)  # loopback unless told otherwise
+    server = ran["app"].state.server
+    assert (server.api_key, server.worker.queue_size, server.max_body_bytes, server.model_name) == ("k1", 3, 999, "m")
+    assert server.speculation is False and server.generator.draft is None  # the baseline loads no draft
+
+
+def test_serve_command_reports_a_missing_bundle_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+
+    result = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output

@@ -1,0 +1,189 @@
+"""``specedge doctor``: what this machine can run, and what to install for the rest.
+
+Every probe is read-only and fails soft: a missing tool or package shows up as
+"no", never as a traceback. ``--json`` prints the same facts as one object.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+# CPU features that decide which ORT kernels run: AVX2 is the baseline, AVX-512 widens the
+# fp32 GEMMs, and VNNI (AVX512-VNNI or AVX-VNNI) is what makes int8 activations (MatMulNBits
+# accuracy level 4) fast.
+_CPU_FLAGS = {"avx2": ("avx2",), "avx512": ("avx512f",), "vnni": ("avx512_vnni", "avx_vnni")}
+
+
+def _module_version(module: str) -> dict[str, Any]:
+    try:
+        mod = __import__(module, fromlist=["__version__"])
+    except Exception as exc:  # ImportError, or OSError when a wheel's native libraries are missing
+        error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return {"importable": False, "version": None, "error": error}
+    return {"importable": True, "version": getattr(mod, "__version__", None), "error": None}
+
+
+def _cuda_python() -> dict[str, Any]:
+    for module in ("cuda.bindings.runtime", "cuda.cudart"):  # new and old layouts
+        info = _module_version(module)
+        if info["importable"]:
+            try:
+                info["version"] = info["version"] or importlib.metadata.version("cuda-python")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+            return info
+    return info
+
+
+def _onnxruntime() -> dict[str, Any]:
+    from ..engines.ort import available_providers
+
+    info = _module_version("onnxruntime")
+    if not info["importable"]:
+        return {**info, "package": None, "execution_providers": [], "usable": {"cpu": False, "cuda": False,
+                                                                               "tensorrt": False}}
+    import onnxruntime as ort
+
+    package = next((name for name in ("onnxruntime-gpu", "onnxruntime") if _installed(name)), None)
+    usable = set(available_providers())
+    return {**info, "package": package, "execution_providers": list(ort.get_available_providers()),
+            "usable": {name: name in usable for name in ("cpu", "cuda", "tensorrt")}}
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _extras() -> dict[str, bool]:
+    """Each specedge extra, and whether every distribution it names is installed."""
+    try:
+        requirements = importlib.metadata.requires("specedge") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    wanted: dict[str, list[str]] = {}
+    for req in requirements:
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", req)
+        if extra and name:
+            wanted.setdefault(extra.group(1), []).append(name.group(0))
+    return {extra: all(_installed(n) for n in names) for extra, names in sorted(wanted.items())}
+
+
+def _cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    model, flags, cores = platform.processor() or None, set(), set()
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""
+    physical = core = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "model name" and value:
+            model = value
+        elif key == "flags":
+            flags |= set(value.split())
+        elif key == "physical id":
+            physical = value
+        elif key == "core id":
+            core = value
+            cores.add((physical, core))
+    return {"model": model, "logical_cores": os.cpu_count(), "physical_cores": len(cores) or None,
+            "flags": {name: any(f in flags for f in names) for name, names in _CPU_FLAGS.items()} if flags else {}}
+
+
+def _memory(meminfo: Path = Path("/proc/meminfo")) -> dict[str, Any]:
+    values = {}
+    try:
+        for line in meminfo.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                values[key] = int(rest.split()[0]) * 1024  # /proc/meminfo counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"total_bytes": values.get("MemTotal"), "available_bytes": values.get("MemAvailable")}
+
+
+def collect() -> dict[str, Any]:
+    """Every fact ``specedge doctor`` reports, as plain data."""
+    from .. import __version__
+    from ..engines.tensorrt import nvidia_smi_gpus
+
+    return {
+        "specedge": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "onnxruntime": _onnxruntime(),
+        "tensorrt": _module_version("tensorrt"),
+        "cuda_python": _cuda_python(),
+        "gpus": nvidia_smi_gpus(),
+        "cpu": _cpu(),
+        "memory": _memory(),
+        "extras": _extras(),
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _hints(facts: dict[str, Any]) -> list[str]:
+    ort, hints = facts["onnxruntime"], []
+    if facts["gpus"] and not ort["usable"]["cuda"]:
+        hints.append("a GPU is present but ONNX Runtime has no CUDA provider: pip uninstall onnxruntime && "
+                     "pip install 'specedge[gpu]' (onnxruntime-gpu; install exactly one of the two)")
+    if ort["usable"]["cuda"] and not ort["usable"]["tensorrt"]:
+        hints.append("TensorRT EP unavailable: install TensorRT from NVIDIA's index (see docs/GPU.md)")
+    return hints
+
+
+def render(facts: dict[str, Any]) -> str:
+    ort = facts["onnxruntime"]
+    lines = [f"specedge {facts['specedge']} (python {facts['python']}, {facts['platform']})"]
+    if ort["importable"]:
+        lines.append(f"onnxruntime {ort['version']} ({ort['package'] or 'unknown package'})")
+    else:
+        lines.append(f"onnxruntime: not importable ({ort['error']})")
+    lines.append("  providers: " + ", ".join(f"{name} {_yes(ok)}" for name, ok in ort["usable"].items()))
+    for label, key in (("tensorrt", "tensorrt"), ("cuda-python", "cuda_python")):
+        info = facts[key]
+        lines.append(f"{label}: {info['version'] or 'installed'}" if info["importable"]
+                     else f"{label}: not importable ({info['error']})")
+    if facts["gpus"]:
+        for gpu in facts["gpus"]:
+            memory = f", {gpu['memory_mib'] / 1024:.0f} GiB" if gpu["memory_mib"] else ""
+            lines.append(f"GPU {gpu['index']}: {gpu['name']}, compute capability {gpu['compute_capability'] or '?'}"
+                         f"{memory}, driver {gpu['driver']}")
+    else:
+        lines.append("GPU: none detected (no nvidia-smi, or it lists no GPU)")
+    cpu = facts["cpu"]
+    flags = ", ".join(f"{name.upper()} {_yes(ok)}" for name, ok in cpu["flags"].items()) or "flags unknown"
+    lines.append(f"CPU: {cpu['model'] or 'unknown'}, {cpu['logical_cores']} logical / "
+                 f"{cpu['physical_cores'] or '?'} physical cores, {flags}")
+    mem = facts["memory"]
+    if mem["total_bytes"]:
+        lines.append(f"RAM: {mem['total_bytes'] / 2**30:.1f} GiB total, "
+                     f"{(mem['available_bytes'] or 0) / 2**30:.1f} GiB available")
+    lines.append("extras: " + (", ".join(f"{name} {_yes(ok)}" for name, ok in facts["extras"].items()) or "unknown"))
+    lines += [f"hint: {h}" for h in _hints(facts)]
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
+def doctor(as_json: bool) -> None:
+    """Report what this machine can run: ONNX Runtime providers, TensorRT, GPUs, CPU features, RAM, extras."""
+    facts = collect()
+    click.echo(json.dumps(facts, indent=2) if as_json else render(facts))

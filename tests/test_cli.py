@@ -1,0 +1,175 @@
+"""Invariant: the CLI only parses and calls, so it gives the API's results and clean errors.
+
+Every command's --help exits 0 and documents each of its options; ``info``
+describes and verifies a bundle (text and JSON); ``generate --json`` returns the
+same token ids as the Python API, with and without speculation; ``export``
+writes a loadable bundle; typed errors become one "error:" line and exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from specedge import __version__
+from specedge.cli.main import main
+from specedge.manifest import load_manifest
+
+PROMPT = "w010 w011 w012 w013"
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+# --------------------------------------------------------------------------- help
+
+
+def test_top_level_help_lists_every_command():
+    result = _invoke("--help")
+    assert result.exit_code == 0
+    for name in main.commands:
+        assert name in result.output
+    assert {"fetch", "export", "generate", "info", "demo"} <= set(main.commands)
+
+
+def test_version():
+    result = _invoke("--version")
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_every_command_help_mentions_all_its_options(name):
+    command = main.commands[name]
+    result = _invoke(name, "--help")
+    assert result.exit_code == 0, result.output
+    assert f"Usage: main {name}" in result.output or f"Usage: specedge {name}" in result.output \
+        or name in result.output.splitlines()[0]
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden:
+            for opt in param.opts + param.secondary_opts:
+                assert opt in result.output, f"`{name} --help` does not mention {opt}"
+
+
+def test_generate_help_names_the_speculation_options():
+    out = _invoke("generate", "--help").output
+    for opt in ("--max-new-tokens", "--no-speculation", "--draft-tokens", "--drafter", "--json", "--stop"):
+        assert opt in out
+
+
+# --------------------------------------------------------------------------- info
+
+
+def test_info_text(int4_bundle):
+    result = _invoke("info", int4_bundle)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"bundle {int4_bundle}" in out
+    assert "target llama fp32: 2 layers, 4 heads (2 kv) x 16, vocab 300, max_context 256" in out
+    assert "draft  llama int4" in out
+    assert "speculation: drafter model" in out
+    assert "checksums: all files verified" in out
+    skipped = _invoke("info", int4_bundle, "--no-verify-checksums")
+    assert "checksums: skipped" in skipped.output
+
+
+def test_info_json_is_the_manifest(int4_bundle):
+    result = _invoke("info", int4_bundle, "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.output) == load_manifest(int4_bundle).to_json()
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def _generate_json(bundle, *args):
+    result = _invoke("generate", bundle, "--prompt", PROMPT, "--json", "--threads", "1", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("args, api", [
+    ((), {}),
+    (("--no-speculation",), {"speculation": False}),
+    (("-k", "3"), {"draft_tokens": 3}),
+    (("--drafter", "ngram", "-k", "2"), {"drafter": "ngram", "draft_tokens": 2}),
+    (("--raw",), {"chat": False}),
+    (("--temperature", "0.8", "--seed", "5", "-k", "2"), {"temperature": 0.8, "seed": 5, "draft_tokens": 2}),
+])
+def test_generate_json_equals_the_api(args, api, int4_bundle, load_generator):
+    out = _generate_json(int4_bundle, "--max-new-tokens", "16", *args)
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, **api)
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == expected.text
+    assert out["finish_reason"] == expected.finish_reason
+    assert out["prompt_tokens"] == len(expected.prompt_ids)
+    if "--no-speculation" in args:
+        assert out["stats"]["drafted"] == 0 and out["stats"]["drafter"] == "none"
+
+
+def test_generate_speculative_equals_no_speculation(int4_bundle):
+    spec = _generate_json(int4_bundle, "--max-new-tokens", "24", "-k", "4")
+    base = _generate_json(int4_bundle, "--max-new-tokens", "24", "--no-speculation")
+    assert spec["token_ids"] == base["token_ids"]
+    assert spec["stats"]["drafted"] > 0
+
+
+def test_generate_plain_stream_and_stats(int4_bundle, load_generator):
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=10).text
+    plain = _invoke("generate", int4_bundle, "-p", PROMPT, "--max-new-tokens", "10", "--threads", "1")
+    assert plain.exit_code == 0 and plain.stdout == expected + "\n"
+    streamed = _invoke("generate", int4_bundle, "-p", PROMPT, "--max-new-tokens", "10", "--stream", "--stats",
+                       "--threads", "1")
+    assert streamed.exit_code == 0 and streamed.stdout == expected + "\n"
+    assert "10 tokens" in streamed.stderr and "finish length" in streamed.stderr
+
+
+def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
+    out = tmp_path / "cli-bundle"
+    result = _invoke("export", "--target", tiny_model("gpt2"), "--out", out, "--max-context", "64", "--quiet",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["out"] == str(out)
+    assert "target:fp32" in report["validation"]
+    assert load_manifest(out).target.architecture == "gpt2"
+    again = _invoke("export", "--target", tiny_model("gpt2"), "--out", out, "--quiet")
+    assert again.exit_code == 2 and "already exists; pass --overwrite" in again.stderr
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "{missing}", "-p", "hi"), r"error: bundle .*missing-bundle does not exist"),
+    (("info", "{missing}"), r"error: bundle .*missing-bundle does not exist"),
+    (("generate", "{bundle}", "-p", PROMPT, "--top-p", "0"), r"error: top_p must be in \(0, 1\]"),
+    (("generate", "{bundle}", "-p", PROMPT, "--max-new-tokens", "0"), r"error: max_new_tokens must be"),
+    (("generate", "{bundle}", "-p", PROMPT, "--provider", "cuda"), r"error: execution provider 'cuda'"),
+    (("export", "--target", "{missing}", "--out", "{tmp}/x", "--quiet"), r"error: source .* is neither an "
+                                                                        r"existing path nor a catalog model"),
+    (("fetch", "no-such-model"), r"error: unknown catalog model 'no-such-model'"),
+])
+def test_typed_errors_exit_2_with_one_line_and_no_traceback(args, message, llama_bundle, tmp_path):
+    import re
+
+    from specedge.engines.ort import available_providers
+
+    if "cuda" in args and "cuda" in available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    fill = {"missing": tmp_path / "missing-bundle", "bundle": llama_bundle, "tmp": tmp_path}
+    result = CliRunner().invoke(main, [a.format(**fill) for a in args])
+    assert result.exit_code == 2, result.output
+    assert re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.output
+    assert result.stderr.count("error:") == 1
+    assert result.stdout == ""
+
+
+def test_usage_errors_are_clicks(llama_bundle):
+    result = CliRunner().invoke(main, ["generate", str(llama_bundle)])  # --prompt missing
+    assert result.exit_code == 2 and "Missing option '--prompt'" in result.stderr
