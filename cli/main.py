@@ -97,11 +97,13 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
+@click.option("--tune", is_flag=True, help="Time draft/target steps and v(k) on this machine and record the "
+              "cost profile in the manifest, so the adaptive controller starts informed.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, trust_pickle, overwrite, quiet, as_json) -> None:
+           accuracy_level, attention, trust_pickle, tune, overwrite, quiet, as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
     Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
@@ -115,8 +117,41 @@ def export(target, draft, out, precision, draft_precision, max_context, max_draf
         max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
         accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
         quiet=quiet))
+    extra = manifest.to_json()["extra"]
+    if tune:
+        extra["cost_profile"] = _tune(out, threads=0, quiet=quiet)
     if as_json:
-        click.echo(json.dumps(manifest.to_json()["extra"] | {"out": str(out)}, indent=2))
+        click.echo(json.dumps(extra | {"out": str(out)}, indent=2))
+
+
+def _tune(bundle: Path, threads: int, quiet: bool) -> dict:
+    from ..runtime import profile as cost_profile
+    from ..runtime.generator import Generator
+
+    gen = Generator.from_bundle(bundle, threads=threads, verify_checksums=False)
+    gen.warmup(tune=False)
+    measured = gen.tune(save=True)
+    if not quiet:
+        s = cost_profile.summary(measured)
+        v = ", ".join(f"v({n})={r:.2f}" for n, r in s["v"].items() if n > 1)
+        c = f", c={s['c']:.2f}" if "c" in s else ""
+        click.echo(f"cost profile: target step {s['target_step_ms']:.1f} ms{c}, {v}", err=True)
+    return measured
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--threads", type=int, default=0, show_default=True, help="Threads per session (0 = ORT default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def tune(bundle: Path, threads: int, as_json: bool) -> None:
+    """Measure this machine's step costs (c, v(k)) and record them in the bundle.
+
+    The adaptive draft-length controller starts from this profile. A profile taken on
+    another CPU or thread setting is ignored and re-measured at warm-up.
+    """
+    measured = _tune(bundle, threads, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(measured, indent=2))
 
 
 # ----------------------------------------------------------------------------- generate

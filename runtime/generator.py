@@ -22,6 +22,7 @@ from ..engines import EngineOptions, create_engine
 from ..errors import ContextOverflowError, InvalidParameterError
 from ..manifest import DRAFTERS, Manifest, load_manifest, resolve_inside
 from . import loop
+from . import profile as cost_profile
 from .controller import AdaptiveK, CostProfile, FixedK
 from .drafters import CompositeDrafter, ModelDrafter, NGramDrafter
 from .sampling import SamplingConfig
@@ -128,6 +129,11 @@ class Generator:
         self.eos_token_ids = manifest.target.eos_token_ids
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
         self._lock = threading.Lock()
+        self.threads = 0  # intra-op threads the sessions were created with (0 = ORT default)
+        self.cost_profile: dict | None = None  # measured step costs for this machine, if any
+        recorded = manifest.extra.get(cost_profile.PROFILE_KEY)
+        if isinstance(recorded, dict):
+            self.cost_profile = recorded
 
     @classmethod
     def from_bundle(cls, path: str | Path, *, provider: str = "cpu", threads: int = 0,
@@ -156,7 +162,11 @@ class Generator:
             draft_options = replace(options, intra_op_threads=draft_threads if draft_threads is not None
                                     else options.intra_op_threads)
             draft = create_engine(manifest.draft, resolve_inside(bundle, manifest.draft.graph), draft_options)
-        return cls(bundle, manifest, codec, target, draft)
+        gen = cls(bundle, manifest, codec, target, draft)
+        gen.threads = options.intra_op_threads
+        if gen.cost_profile is not None and not cost_profile.usable(gen.cost_profile, gen.threads):
+            gen.cost_profile = None  # taken on another machine or thread setting: re-measure in warmup()
+        return gen
 
     # --------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -208,12 +218,37 @@ class Generator:
             adaptive = False  # an explicit k means "this k"
         if adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
-            profile = self._profiles.setdefault(name, CostProfile())
+            profile = self._profiles.get(name)
+            if profile is None:
+                profile = self._profiles[name] = self._initial_profile(name)
             controller = AdaptiveK(max_k, profile=profile, start_k=config.draft_tokens or spec.draft_tokens)
         else:
             k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
             controller = FixedK(k)
         return drafter, controller
+
+    def _initial_profile(self, drafter: str) -> CostProfile:
+        """Start the adaptive controller from the measured profile, so the first steps run the right k."""
+        if not self.cost_profile:
+            return CostProfile()
+        profile = CostProfile.from_dict(self.cost_profile)
+        if drafter == "ngram":
+            profile.draft_token_s = 0.0  # a lookup costs microseconds
+        return profile
+
+    def tune(self, *, save: bool = False, context: int = 128) -> dict:
+        """Measure this machine's step costs (target 1..max_draft_tokens+1, draft 1) and use them.
+
+        ``save=True`` records them in the bundle's manifest for later runs on this machine.
+        """
+        with self._lock:
+            profile = cost_profile.measure(self.target, self.draft, threads=self.threads, context=context,
+                                           max_verify=self.manifest.speculation.max_draft_tokens + 1)
+        self.cost_profile = profile
+        self._profiles.clear()
+        if save:
+            cost_profile.save(self.bundle, profile)
+        return profile
 
     # --------------------------------------------------------------------- generation
     def _config(self, config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
@@ -299,8 +334,11 @@ class Generator:
                 callback(delta)
         return stream
 
-    def warmup(self) -> None:
-        """Run every session once (prefill, step, verify shapes) so the first request pays no setup."""
+    def warmup(self, *, tune: bool = True) -> None:
+        """Run every session once (prefill, step, verify shapes) so the first request pays no setup.
+
+        With ``tune`` and no usable cost profile for this machine, also measure one (seconds).
+        """
         k = self.manifest.speculation.max_draft_tokens
         ids = [int(t) % self.manifest.target.vocab_size for t in range(min(k + 1, self.max_context - k - 2))]
         for engine, cache in ((self.target, self.target_kv), (self.draft, self.draft_kv)):
@@ -311,4 +349,6 @@ class Generator:
             engine.forward(np.asarray(ids[:1], np.int64), cache, 1)
             engine.forward(np.asarray(ids[: k + 1], np.int64), cache, k + 1)
             cache.reset()
+        if tune and self.cost_profile is None:
+            self.tune()
 

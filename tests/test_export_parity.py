@@ -154,7 +154,9 @@ def test_self_int4_draft_is_matmulnbits_and_its_bundle_validates(int4_bundle):
     assert target_nbits == []
 
     report = manifest.extra["validation"]["draft:int4-vs-fp32"]
-    assert report["top1_agreement"] > 0.5  # int4 of a 64-wide random model still mostly agrees
+    # Random 64-wide weights give flat softmaxes (top-1 ~5%), so int4 noise flips many argmaxes;
+    # chance agreement would be 1/300. A broken quantized graph scores near chance.
+    assert report["top1_agreement"] > 0.2
     assert np.isfinite(report["max_abs_diff"])
 
 

@@ -54,8 +54,9 @@ def _missing(route: str) -> str | None:
     return None
 
 
-ROUTES = [pytest.param(r, marks=pytest.mark.skipif(_missing(r) is not None, reason=f"{r}: {_missing(r)}"))
-          for r in BACKEND]
+MISSING = {route: _missing(route) for route in BACKEND}
+ROUTES = [pytest.param(route, marks=pytest.mark.skipif(why is not None, reason=f"{route}: {why}"))
+          for route, why in MISSING.items()]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -272,7 +273,7 @@ def test_the_engine_record_describes_this_gpu(gpu_bundle):
             assert [p.name for p in record.profiles] == ["step", "prefill"]
 
 
-@pytest.mark.skipif(_missing("cuda") is not None, reason=f"cuda: {_missing('cuda')}")
+@pytest.mark.skipif(MISSING["cuda"] is not None, reason=f"cuda: {MISSING['cuda']}")
 def test_fp16_gqa_speculation_on_cuda_equals_plain_decoding(tiny_model, export):
     """The default export (fused GQA, head-major cache bound as past and present) at fp16, on CUDA."""
     bundle = export(tiny_model("llama"), precision="fp16")
