@@ -98,12 +98,17 @@ class Profile:
     values: dict[str, ShapeRange] = field(default_factory=dict)
 
     def new_tokens(self, io: ModelIO) -> tuple[int, int]:
-        r = self.shapes[io.input_ids]
+        r = self._shape(io.input_ids)
         return r.min[1], r.max[1]
 
     def past_length(self, io: ModelIO) -> tuple[int, int]:
-        r = self.shapes[io.past_key % 0]
+        r = self._shape(io.past_key % 0)
         return r.min[0], r.max[0]
+
+    def _shape(self, name: str) -> ShapeRange:
+        if name not in self.shapes:  # a record is manifest data: say which profile is incomplete
+            raise ManifestError(f"TensorRT profile {self.name!r} has no shape range for {name!r}")
+        return self.shapes[name]
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "shapes": {k: r.to_json() for k, r in self.shapes.items()},
@@ -397,7 +402,7 @@ def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, Eng
     root = Path(graph)
     for _ in PurePosixPath(entry.graph).parts:
         root = root.parent
-    manifest = load_manifest(root, verify_checksums=False)  # the caller verified it when it loaded the bundle
+    manifest = load_manifest(root, verify_checksums=False)  # checksums are the loader's job (Generator.from_bundle)
     role = next((r for r, m in manifest.models().items() if m.graph == entry.graph), "model")
     engines = manifest.extra.get("engines", {})
     if not isinstance(engines, dict):
