@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -33,6 +34,21 @@ DRAFTERS = ("none", "model", "ngram", "composite")
 
 # Reading 1 MiB at a time keeps hashing a 1 GB weight file at disk speed without holding it in RAM.
 _HASH_CHUNK = 1 << 20
+# Integer fields are counts and sizes: anything past int64 is garbage, and past ~4300 digits
+# Python cannot even print it (str(int) raises ValueError), so it is refused before any message.
+_MAX_INT_BITS = 63
+_MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
+# Error messages quote untrusted values: bounded in nesting and length (a plain repr() of a
+# 5000-deep list raises RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _show(value: Any) -> str:
+    """A short repr of an untrusted value for an error message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_INT_BITS:
+        return f"<{value.bit_length()}-bit integer>"
+    return _REPR.repr(value)
 
 
 @dataclass(frozen=True)
@@ -168,7 +184,9 @@ def _get(obj: dict[str, Any], key: str, where: str, kind: type | tuple[type, ...
             raise ManifestError(f"manifest field '{name}' must be an integer, got {value!r}")
     if not isinstance(value, kind):
         want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ManifestError(f"manifest field '{name}' must be {want}, got {type(value).__name__} {value!r:.60}")
+        raise ManifestError(f"manifest field '{name}' must be {want}, got {type(value).__name__} {_show(value)}")
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_INT_BITS:
+        raise ManifestError(f"manifest field '{name}' must fit in 64 bits, got {_show(value)}")
     return value
 
 
@@ -212,6 +230,9 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         raise ManifestError(f"manifest field '{where}' must be an object")
     ints = {k: _positive(_get(obj, k, where, int), f"{where}.{k}")
             for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context")}
+    if ints["max_context"] > _MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
+        raise ManifestError(f"manifest field '{where}.max_context' must be <= {_MAX_CONTEXT}, "
+                            f"got {ints['max_context']}")
     if ints["n_heads"] % ints["n_kv_heads"]:
         raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
                             f"n_kv_heads ({ints['n_kv_heads']})")
@@ -219,7 +240,7 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
     for i, tok in enumerate(eos):
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < ints["vocab_size"]:
             raise ManifestError(f"manifest field '{where}.eos_token_ids[{i}]' must be a token id in "
-                                f"[0, {ints['vocab_size']}), got {tok!r}")
+                                f"[0, {ints['vocab_size']}), got {_show(tok)}")
     data_files = _get(obj, "data_files", where, list, optional=True, default=[])
     for i, rel in enumerate(data_files):
         if not isinstance(rel, str):
@@ -306,8 +327,10 @@ def parse_manifest(obj: Any) -> Manifest:
             raise ManifestError(f"manifest field 'files[{rel!r}].sha256' must be 64 lowercase hex digits")
         if _get(meta, "size", f"files[{rel!r}]", int) < 0:
             raise ManifestError(f"manifest field 'files[{rel!r}].size' must be >= 0")
+    # Every file the runtime reads needs a checksum, the chat template (rendered) included.
     referenced = [tokenizer.file] + [m.graph for m in (target, draft) if m] + \
-                 [d for m in (target, draft) if m for d in m.data_files]
+                 [d for m in (target, draft) if m for d in m.data_files] + \
+                 ([tokenizer.chat_template] if tokenizer.chat_template else [])
     for rel in referenced:
         if rel not in files:
             raise ManifestError(f"manifest lists {rel!r} but has no sha256 for it in 'files'")
@@ -349,8 +372,12 @@ def sha256_file(path: Path) -> str:
 def resolve_inside(bundle: Path, rel: str) -> Path:
     """Return bundle/rel, refusing anything (symlinks included) that resolves outside the bundle."""
     _relpath(rel, rel)
-    root = bundle.resolve()
-    path = (root / rel).resolve()
+    try:
+        root = bundle.resolve()
+        path = (root / rel).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise UnsafePathError(f"bundle path {_show(rel)} cannot be resolved ({exc.__class__.__name__}: "
+                              "a symlink loop?)") from None
     if not path.is_relative_to(root):
         raise UnsafePathError(f"bundle path {rel!r} resolves to {path}, outside the bundle {root} (symlink?)")
     return path
@@ -377,14 +404,21 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
         raise BundleError(f"{root} has no {MANIFEST_FILE}: not a specedge bundle (create one with `specedge export`)")
     try:
         obj = json.loads(mpath.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{mpath} is not valid JSON: {exc}") from None
+    except ValueError as exc:  # bad UTF-8, bad JSON, or an int literal past Python's digit limit
+        raise ManifestError(f"{mpath} is not valid JSON: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise ManifestError(f"{mpath} is not a manifest: JSON nested too deeply") from None
     manifest = parse_manifest(obj)
     for rel, meta in manifest.files.items():
         path = resolve_inside(root, rel)
-        if not path.is_file():
+        try:
+            is_file = path.is_file()
+            size = path.stat().st_size if is_file else -1
+        except OSError as exc:  # e.g. a name too long for the file system
+            raise BundleError(f"bundle file {_show(rel)} listed in the manifest cannot be read: "
+                              f"{exc.strerror}") from None
+        if not is_file:
             raise BundleError(f"bundle file {rel!r} listed in the manifest is missing from {root}")
-        size = path.stat().st_size
         if size != meta["size"]:
             raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta['size']} "
                                 "(truncated or replaced); re-export the bundle")

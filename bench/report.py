@@ -25,6 +25,11 @@ DEFINITIONS = """\
 - **pred**: Leviathan's bound (1 - a^(k+1)) / ((1 - a)(k c + v(k))) from a, c = draft token time / target
   1-token step and v(k) = target (k+1)-token step / 1-token step, mixed over the k the run chose.
   **eff** = measured speedup / predicted.
+- **best config**: the speculative configuration with the highest median speedup on that workload. It is
+  picked from noisy estimates, so expect it to be optimistic by about its IQR.
+- **failures**: any speculative run (or baseline repeat) whose greedy tokens differ from the prompt's first
+  baseline run, with the first differing index. On a quantized target a difference in a run that saw a
+  near-tie (top-2 logit gap < verify.NEAR_TIE_GAP) is reported as a near-tie divergence and does not fail.
 """
 PEER_DEFINITIONS = """\
 - **peers**: each gets our prompt token ids and is asked for as many tokens as our baseline produced; tok/s

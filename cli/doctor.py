@@ -44,18 +44,18 @@ def _cuda_python() -> dict[str, Any]:
 
 
 def _onnxruntime() -> dict[str, Any]:
+    from ..engines.base import PROVIDERS
     from ..engines.ort import available_providers
 
     info = _module_version("onnxruntime")
     if not info["importable"]:
-        return {**info, "package": None, "execution_providers": [], "usable": {"cpu": False, "cuda": False,
-                                                                               "tensorrt": False}}
+        return {**info, "package": None, "execution_providers": [], "usable": dict.fromkeys(PROVIDERS, False)}
     import onnxruntime as ort
 
     package = next((name for name in ("onnxruntime-gpu", "onnxruntime") if _installed(name)), None)
     usable = set(available_providers())
     return {**info, "package": package, "execution_providers": list(ort.get_available_providers()),
-            "usable": {name: name in usable for name in ("cpu", "cuda", "tensorrt")}}
+            "usable": {name: name in usable for name in PROVIDERS}}
 
 
 def _installed(distribution: str) -> bool:

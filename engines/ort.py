@@ -99,6 +99,25 @@ class OrtEngine:
         if missing:
             raise ModelLoadError(f"graph {self.entry.graph} lacks tensors the manifest names: {missing[:6]}; "
                                  "the manifest does not describe this graph")
+        # The manifest's sizes and dtypes shape every buffer bound to the session: a manifest that
+        # disagrees with the graph would otherwise surface as an ORT shape error mid-generation.
+        e = self.entry
+        if io.past_key % e.n_layers in have_in:
+            raise ModelLoadError(f"graph {e.graph} has more layers than the manifest's n_layers={e.n_layers}; "
+                                 "the manifest does not describe this graph")
+        cache = [1, e.n_kv_heads, None, e.head_dim] if gqa else [None, e.n_kv_heads, e.head_dim]
+        kv_type = {"float32": "tensor(float)", "float16": "tensor(float16)"}[e.kv_dtype]
+        args = {a.name: a for a in (*self.session.get_inputs(), *self.session.get_outputs())}
+        checks = [(io.logits, "tensor(float)", [1, None, e.vocab_size])]
+        checks += [(name % i, kv_type, cache) for i in range(e.n_layers) for name in (io.past_key, io.past_value)]
+        for name, want_type, want_shape in checks:
+            arg = args[name]
+            shape = list(arg.shape or [])
+            if arg.type != want_type or len(shape) != len(want_shape) or any(
+                    isinstance(got, int) and want is not None and got != want for got, want in zip(shape, want_shape)):
+                raise ModelLoadError(f"graph {e.graph} tensor {name!r} is {arg.type} {shape}, but the manifest "
+                                     f"implies {want_type} {['*' if w is None else w for w in want_shape]} (n_kv_heads, "
+                                     "head_dim, vocab_size, kv_dtype); the manifest does not describe this graph")
 
     def new_cache(self) -> KVCache:
         e = self.entry

@@ -245,15 +245,21 @@ class RuntimeFacts:
     compute_capability: str | None
 
 
+def tensorrt_graph_problem(attention: str, precision: str, role: str = "model") -> str | None:
+    """Why TensorRT cannot take a graph whole (ORT contrib ops would leave it, to run on the CPU), or None."""
+    if attention == "gqa":
+        return (f"the {role} graph uses ONNX Runtime's fused GroupQueryAttention, which TensorRT cannot parse; "
+                "export with --attention standard for TensorRT")
+    if precision in ("int4", "int8"):
+        return (f"the {role} model is {precision}: MatMulNBits, an ONNX Runtime operator TensorRT cannot parse; "
+                "run it on the CUDA EP (backend onnxruntime-gpu, provider cuda), or export it at fp16 for TensorRT")
+    return None
+
+
 def check_tensorrt_graph(entry: ModelEntry, role: str = "model") -> None:
-    """Refuse graphs TensorRT cannot take whole: ORT contrib ops would leave it, to run on the CPU."""
-    if entry.attention == "gqa":
-        raise InvalidParameterError(f"the {role} graph uses ONNX Runtime's fused GroupQueryAttention, which "
-                                    "TensorRT cannot parse; export with --attention standard for TensorRT")
-    if entry.precision in ("int4", "int8"):
-        raise InvalidParameterError(f"the {role} model is {entry.precision}: MatMulNBits, an ONNX Runtime operator "
-                                    "TensorRT cannot parse; run it on the CUDA EP (backend onnxruntime-gpu, "
-                                    "provider cuda), or export it at fp16 for TensorRT")
+    problem = tensorrt_graph_problem(entry.attention, entry.precision, role)
+    if problem:
+        raise InvalidParameterError(problem)
 
 
 def major_minor_patch(version: str) -> str:
@@ -517,17 +523,27 @@ class TensorrtEngine:
         self._active_profile = -1
         # num_logits_to_keep feeds a Slice start, so TensorRT reads it from host memory as a shape tensor.
         self._keep_on_host = bool(self.engine.is_shape_inference_io(io.num_logits))
-        v = entry.vocab_size
         self._ids = _Pinned(cudart, self.max_tokens, np.int64)
         self._positions = _Pinned(cudart, self.max_tokens, np.int64)
         self._keep = _Pinned(cudart, 1, np.int64)
-        self._logits = _Pinned(cudart, self.max_tokens * v, np.float32)
         self._ids_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
         self._positions_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
         self._keep_dev = cuda_call(cudart.cudaMalloc(8), "cudaMalloc")
-        self._logits_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * v * 4), "cudaMalloc")
+        # Logits rows for the largest verify; a caller asking for more rows grows them once. Sizing for
+        # the prefill limit instead would hold 512 x vocab floats (300 MB at a 150k vocab) twice.
+        self._logits_rows = 0
+        self._grow_logits(min(p.new_tokens(io)[1] for p in self.profiles))
         self._layers = [(io.past_key % i, io.past_value % i, io.new_key % i, io.new_value % i)
                         for i in range(entry.n_layers)]
+
+    def _grow_logits(self, rows: int) -> None:
+        if rows <= self._logits_rows:
+            return
+        if self._logits_rows:
+            self._cudart.cudaFree(self._logits_dev)
+        self._logits = _Pinned(self._cudart, rows * self.vocab_size, np.float32)
+        self._logits_dev = cuda_call(self._cudart.cudaMalloc(rows * self.vocab_size * 4), "cudaMalloc")
+        self._logits_rows = rows
 
     def _check_io(self, trt) -> None:
         io, e = self.entry.io, self.entry
@@ -570,6 +586,7 @@ class TensorrtEngine:
         # The loop's pipelined mode calls the target from a worker thread, whose current device is 0.
         cuda_call(cudart.cudaSetDevice(self.options.device_id), "cudaSetDevice")
         profile = select_profile(self.profiles, io, n, start)
+        self._grow_logits(num_logits)
         if profile != self._active_profile:
             if not ctx.set_optimization_profile_async(profile, self.stream):
                 raise BackendUnavailableError(f"TensorRT refused optimization profile {profile}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..engines.tensorrt import (ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange, check_engine_compatible,
                                 check_tensorrt_graph, import_cudart, import_tensorrt, major_minor_patch,
-                                runtime_facts)
+                                runtime_facts, tensorrt_graph_problem)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file, write_manifest
 
@@ -48,8 +48,9 @@ ENGINES = ("onnxruntime", "tensorrt")  # choices for `specedge export --engine`
 _GRAPH_PRECISION = {"float32": "fp32", "float16": "fp16"}
 
 __all__ = ["DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Profile", "ShapeRange",
-           "build_engines_for_bundle", "build_trt_engine", "check_engine_compatible", "engine_cache_key",
-           "engine_paths", "merge_profiles", "ort_trt_provider_options", "profile_shape_strings", "verify_profiles"]
+           "build_engines_for_bundle", "build_trt_engine", "check_engine_compatible", "check_tensorrt_export",
+           "engine_cache_key", "engine_paths", "merge_profiles", "ort_trt_provider_options", "profile_shape_strings",
+           "verify_profiles"]
 
 
 # --------------------------------------------------------------------------- profiles
@@ -272,6 +273,23 @@ def _drop_stale(bundle: Path, files: dict, old: EngineRecord | None, new: Engine
     else:
         for path in (bundle / old.file).glob(f"{old.cache_key}*"):
             path.unlink()
+
+
+def check_tensorrt_export(attention: str, precision: str, draft: str | None = None,
+                          draft_precision: str | None = None) -> None:
+    """Refuse export options whose bundle TensorRT could not take, before minutes of export.
+
+    Mirrors what build_engines_for_bundle checks on the written bundle. (GPT-2 always
+    gets the standard graph, so for it ``attention`` is moot; pass "standard".)
+    """
+    models = [("target", precision)]
+    if draft is not None:
+        models.append(("draft", draft.removeprefix("self-") if draft.startswith("self-") else
+                       draft_precision or precision))
+    for role, model_precision in models:
+        problem = tensorrt_graph_problem(attention, model_precision, role)
+        if problem:
+            raise InvalidParameterError(problem)
 
 
 def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str = "fp16", route: str = "ort-trt",

@@ -6,7 +6,13 @@ length against max_context.
 
 Thread safety: one Generator owns one KV cache per model, so calls from several
 threads are serialised by an internal lock; each call's output equals what it
-would give alone.
+would give alone. A stream holds the lock from its first delta until it is
+exhausted or closed.
+
+Reproducibility: greedy output is deterministic. A sampling seed reproduces a run
+for the same draft-length schedule (speculation off, or a fixed ``draft_tokens``);
+adaptive k follows measured step times, so seeded sampled text can differ between
+runs while its distribution stays the target's.
 """
 
 from __future__ import annotations
@@ -90,7 +96,11 @@ class GenerationResult:
 
 
 class TextStream:
-    """Iterator of text deltas, one per committed block; ``cancel()`` stops at the next block."""
+    """Iterator of text deltas, one per committed block; ``cancel()`` stops at the next block.
+
+    While a stream is being iterated it holds its Generator (one KV cache per model), so
+    other calls wait: exhaust it, ``close()`` it, or use it as a context manager.
+    """
 
     def __init__(self, deltas: Iterator[str]) -> None:
         self._deltas = deltas
@@ -111,7 +121,14 @@ class TextStream:
         return self._cancel.is_set()
 
     def close(self) -> None:
+        """Stop generating now; ``result`` keeps what was committed. Releases the Generator."""
         self._deltas.close()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Generator:
@@ -200,6 +217,8 @@ class Generator:
     def _drafter_and_controller(self, config: GenerationConfig):
         spec = self.manifest.speculation
         name = config.drafter or spec.drafter
+        if config.drafter is None and name in ("model", "composite") and self.draft is None:
+            name = "ngram"  # the draft model was not loaded (load_draft=False): speculate without it
         if not config.speculation or name == "none":
             return None, None
         if name in ("model", "composite") and self.draft is None:
@@ -262,8 +281,16 @@ class Generator:
         return config
 
     def _run(self, ids: list[int], config: GenerationConfig, stream: TextStream | None) -> Iterator[str]:
-        """The one generation path behind generate() and stream(): yields text deltas."""
+        """The one generation path behind generate() and stream(): yields text deltas.
+
+        Called (not iterated) at the start of generate()/stream(), so drafter errors
+        surface at the call; the body below runs on the first next().
+        """
         drafter, controller = self._drafter_and_controller(config)
+        return self._iterate(ids, config, stream, drafter, controller)
+
+    def _iterate(self, ids, config: GenerationConfig, stream: TextStream | None, drafter, controller
+                 ) -> Iterator[str]:
         rng = np.random.default_rng(config.seed)
         decoder = StreamDecoder(self.codec, config.stop)
         state = loop.LoopResult()

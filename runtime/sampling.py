@@ -50,7 +50,10 @@ def warp(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
         probs = np.zeros_like(logits)
         np.put_along_axis(probs, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
         return probs
-    z = logits / config.temperature
+    # Shift by the row max *before* dividing: with a tiny temperature logits / temperature overflows
+    # to inf, and inf - inf is NaN. Shifted entries are <= 0, so the quotient is at worst -inf (p = 0).
+    with np.errstate(over="ignore"):
+        z = (logits - np.max(logits, axis=-1, keepdims=True)) / config.temperature
     vocab = z.shape[-1]
     if 0 < config.top_k < vocab:
         kth = np.partition(z, vocab - config.top_k, axis=-1)[..., vocab - config.top_k: vocab - config.top_k + 1]

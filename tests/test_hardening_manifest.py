@@ -311,7 +311,8 @@ def test_nasty_paths_load_or_raise_a_typed_error(manifest_obj, scratch_bundle, f
     if outcome != "loaded":
         assert loaded == outcome
     else:  # the manifest is well formed, but the renamed file is not on disk under that name
-        assert loaded in ("loaded", "BundleError", "UnsafePathError", "ManifestError"), loaded
+        # (or names another file on disk, e.g. './tokenizer.json', whose size differs)
+        assert loaded in ("loaded", "BundleError", "UnsafePathError", "ManifestError", "ChecksumError"), loaded
 
 
 # --------------------------------------------------------------------------- symlinks and odd files
@@ -337,19 +338,34 @@ def test_symlink_to_an_identical_file_inside_the_bundle_is_accepted(copy_of):
 
     bundle = copy_of()
     data = bundle / "target" / "model.onnx.data"
+    shutil.copyfile(data, bundle / "target" / "shared.data")
+    data.unlink()
+    os.symlink("shared.data", data)
+    load_manifest(bundle)
+    result = Generator.from_bundle(bundle, threads=1).generate(input_ids=[6, 7, 8], max_new_tokens=4)
+    assert len(result.token_ids) == 4
+
+
+def test_external_data_symlinked_out_of_its_graph_folder_is_refused_by_onnx_runtime(copy_of):
+    """The manifest allows a symlink anywhere inside the bundle, but ONNX Runtime only reads a graph's
+    external data from the graph's own folder (symlinks resolved): that is a clear ModelLoadError."""
+    from specedge.runtime.generator import Generator
+
+    bundle = copy_of()
+    data = bundle / "target" / "model.onnx.data"
     shutil.copyfile(data, bundle / "shared.data")
     data.unlink()
     os.symlink("../shared.data", data)
     load_manifest(bundle)
-    result = Generator.from_bundle(bundle, threads=1).generate(input_ids=[6, 7, 8], max_new_tokens=4)
-    assert len(result.token_ids) == 4
+    with pytest.raises(ModelLoadError, match=r"could not load model.onnx .*External data path"):
+        Generator.from_bundle(bundle, threads=1)
 
 
 def test_symlink_to_a_different_file_inside_is_a_checksum_error(copy_of):
     bundle = copy_of()
     data = bundle / "target" / "model.onnx.data"
     data.unlink()
-    os.symlink("../../draft/model.onnx", data)
+    os.symlink("../draft/model.onnx", data)
     with pytest.raises(ChecksumError, match=r"'target/model.onnx.data' is \d+ bytes but the manifest records"):
         load_manifest(bundle)
 
@@ -464,3 +480,32 @@ def test_one_flipped_byte_is_a_checksum_error_naming_the_file(copy_of, monkeypat
     data.write_bytes(bytes(raw) + b"\x00")  # one byte longer
     with pytest.raises(ChecksumError, match=r"'target/model.onnx.data' is \d+ bytes but the manifest records"):
         load_manifest(bundle, verify_checksums=False)
+
+
+# --------------------------------------------------------------------------- a manifest that lies about its graph
+
+
+@pytest.mark.parametrize("edit", [{"head_dim": 8}, {"head_dim": 32}, {"n_kv_heads": 1}, {"n_kv_heads": 4},
+                                  {"vocab_size": 400}, {"kv_dtype": "float16"}, {"n_layers": 1}, {"n_layers": 3}],
+                         ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_manifest_sizes_that_disagree_with_the_graph_fail_at_load(copy_of, edit):
+    """Parsed fine, but the graph's declared IO says otherwise: refused when the session is created,
+    not as an ONNX Runtime shape error in the middle of a generation."""
+    from specedge.runtime.generator import Generator
+
+    bundle = copy_of()
+    path = bundle / "manifest.json"
+    obj = json.loads(path.read_text())
+    for role in ("target", "draft"):
+        obj["models"][role].update(edit)
+    path.write_text(json.dumps(obj))
+    load_manifest(bundle)
+    with pytest.raises(ModelLoadError, match=r"the manifest does not describe this graph"):
+        Generator.from_bundle(bundle, threads=1)
+
+
+def test_a_max_context_too_large_to_allocate_is_a_manifest_error(manifest_obj):
+    obj = copy.deepcopy(manifest_obj)
+    obj["models"]["target"]["max_context"] = 2 ** 40  # a 128 TiB KV cache
+    with pytest.raises(ManifestError, match=r"'models.target.max_context' must be <= 1048576"):
+        parse_manifest(obj)

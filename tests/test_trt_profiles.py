@@ -1,8 +1,11 @@
-"""The CPU half of the TensorRT path: every shape the loop sends has a profile, the
+"""The CPU half of the GPU path: every shape the loop sends has a profile, the
 options ORT receives are the strings it parses, an engine is refused (with the
-rebuild hint) on any TensorRT / GPU mismatch, and the device-cache engine's
-binding, chunking and rollback give the same tokens as the CPU engine.
+rebuild hint) on any TensorRT / GPU mismatch, and the engines' binding,
+chunking and rollback give the CPU engine's tokens.
 
+The device-cache engine runs its own binding code on host buffers (provider
+cpu). The native TensorRT engine and its build run on a simulated TensorRT:
+ORT CPU behind the TensorRT calls the code makes, host memory as the device.
 Nothing here needs a GPU, TensorRT or cuda-python; the GPU half is test_gpu.py.
 """
 
@@ -24,8 +27,8 @@ from specedge.engines.tensorrt import (EngineRecord, RuntimeFacts, bundle_engine
                                        select_profile, split_tokens)
 from specedge.errors import BackendUnavailableError, InvalidParameterError, ManifestError, UnsafePathError
 from specedge.export.tensorrt import (build_engines_for_bundle, build_trt_engine, check_engine_compatible,
-                                      engine_cache_key, engine_paths, merge_profiles, ort_trt_provider_options,
-                                      verify_profiles)
+                                      check_tensorrt_export, engine_cache_key, engine_paths, merge_profiles,
+                                      ort_trt_provider_options, verify_profiles)
 from specedge.manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
                                load_manifest, write_manifest)
 
@@ -302,6 +305,22 @@ def test_build_guards_fail_before_any_gpu_work(tmp_path, kwargs, bundle_precisio
     assert (bundle / "manifest.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"attention": "gqa", "precision": "fp16"}, "the target graph uses ONNX Runtime's fused GroupQueryAttention"),
+    ({"attention": "standard", "precision": "int4"}, "the target model is int4: MatMulNBits"),
+    ({"attention": "standard", "precision": "fp16", "draft": "self-int4"}, "the draft model is int4"),
+    ({"attention": "standard", "precision": "fp16", "draft": "d", "draft_precision": "int8"}, "draft model is int8"),
+])
+def test_export_options_tensorrt_cannot_take_are_refused_before_exporting(options, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        check_tensorrt_export(**options)
+
+
+def test_export_options_tensorrt_takes_pass():
+    check_tensorrt_export("standard", "fp16", draft="./small", draft_precision="fp32")
+    check_tensorrt_export("standard", "fp32")
+
+
 @pytest.mark.parametrize("route, message", [("ort-trt", "execution provider 'tensorrt' is not available"),
                                             ("native", "TensorRT's Python package is not usable")])
 def test_build_without_tensorrt_is_refused(tmp_path, monkeypatch, route, message):
@@ -327,6 +346,25 @@ def test_the_engine_record_is_found_by_the_models_graph(tmp_path):
     entry = load_manifest(bundle).target
     root, role, found = bundle_engine_record(entry, (bundle / entry.graph).resolve())
     assert (root, role, found) == (bundle.resolve(), "target", record)
+
+
+def test_gpus_are_read_from_nvidia_smi(tmp_path, monkeypatch):
+    from specedge.engines import tensorrt as trt_engine
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA L4, 8.9, 23034, 570.86'\necho '1, NVIDIA H200, 9.0, 143771, 570.86'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # CUDA's device 0 is the second GPU nvidia-smi lists
+    def no_cuda_python():
+        raise BackendUnavailableError("cuda-python is not installed")
+
+    monkeypatch.setattr(trt_engine, "import_cudart", no_cuda_python)
+    assert trt_engine.nvidia_smi_gpus() == [
+        {"index": 0, "name": "NVIDIA L4", "compute_capability": "8.9", "memory_mib": 23034, "driver": "570.86"},
+        {"index": 1, "name": "NVIDIA H200", "compute_capability": "9.0", "memory_mib": 143771, "driver": "570.86"}]
+    facts = trt_engine.runtime_facts(0)
+    assert (facts.gpu_name, facts.compute_capability) == ("NVIDIA H200", "9.0")
 
 
 def test_the_gpu_backend_refuses_the_cpu_provider(tmp_path):
@@ -402,6 +440,18 @@ def test_rollback_on_the_device_cache_is_a_length_change(tiny_bundle):
         k_now, v_now = kv.to_host(layer)
         np.testing.assert_array_equal(k_now, k)
         np.testing.assert_array_equal(v_now, v)
+
+
+@pytest.mark.parametrize("provider, changes, error, message", [
+    ("cuda", {"attention": "gqa"}, BackendUnavailableError, "fp32 GroupQueryAttention graph"),
+    ("tensorrt", {"attention": "gqa"}, InvalidParameterError, "GroupQueryAttention, which TensorRT cannot parse"),
+    ("tensorrt", {"precision": "int4"}, InvalidParameterError, "MatMulNBits"),
+])
+def test_graphs_a_gpu_provider_would_hand_back_to_the_cpu_are_refused(tmp_path, provider, changes, error, message):
+    from specedge.engines.ort_cuda import OrtCudaEngine
+
+    with pytest.raises(error, match=message):
+        OrtCudaEngine(replace(_entry(), **changes), tmp_path / "model.onnx", EngineOptions(provider=provider))
 
 
 def test_a_foreign_cache_is_refused(tiny_bundle):
@@ -706,8 +756,8 @@ def test_native_engine_binds_profiles_chunks_and_cache_like_the_cpu_engine(stand
 
     kv, cpu_kv = native.new_cache(), cpu.new_cache()
     ids = np.asarray(PROMPT_IDS, np.int64)
-    got = native.forward(ids, kv, num_logits=4).copy()
-    np.testing.assert_allclose(got, cpu.forward(ids, cpu_kv, num_logits=4), rtol=1e-4, atol=1e-5)
+    got = native.forward(ids, kv, num_logits=12).copy()  # chunks 8 + 12; more rows than a verify: buffers grow
+    np.testing.assert_allclose(got, cpu.forward(ids, cpu_kv, num_logits=12), rtol=1e-4, atol=1e-5)
     native.forward(np.array([7, 8, 9]), kv, num_logits=3)
     kv.rewind(3)
     after = native.forward(np.array([10, 11]), kv, num_logits=2).copy()
