@@ -146,12 +146,15 @@ def render_markdown(doc: dict) -> str:
     for peer, res in doc["peers"].items():
         for cfg in (res.get("configs") or {}):
             peer_cols.append((peer, cfg))
-    header = ["workload", "baseline tok/s", "best config", "tok/s", "speedup"]
+    default = f"{b['speculation_defaults']['drafter']}-adaptive"
+    header = ["workload", "baseline tok/s", "best config", "tok/s", "speedup", f"default ({default}) speedup"]
     header += [f"{cfg} tok/s (ours/them)" for _, cfg in peer_cols]
     rows = []
     for category, best in doc["summary"]["best"].items():
+        default_cell = doc["workloads"][category]["configs"].get(default)
         row = [category, _f(best.get("baseline_tokens_per_s")), best.get("config") or "–",
-               _f(best.get("tokens_per_s")), _f(best.get("speedup"), 2, "x")]
+               _f(best.get("tokens_per_s")), _f(best.get("speedup"), 2, "x"),
+               _f(default_cell["speedup"], 2, "x") if default_cell else "–"]
         for peer, cfg in peer_cols:
             cell = doc["peers"][peer]["configs"][cfg].get(category, {})
             row.append(f"{_f(cell.get('tokens_per_s', {}).get('median'))} ({_f(cell.get('ratio_best'), 2, 'x')})")
