@@ -97,13 +97,21 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
+@click.option("--engine", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+              help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
+              "fp32/fp16; see docs/GPU.md).")
+@click.option("--trt-route", type=click.Choice(["ort-trt", "native"]), default="ort-trt", show_default=True,
+              help="ort-trt: ONNX Runtime's TensorRT EP engine cache; native: a TensorRT plan (tensorrt + cuda-python).")
+@click.option("--trt-precision", type=click.Choice(["fp32", "fp16"]), default="fp16", show_default=True,
+              help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Time draft/target steps and v(k) on this machine and record the "
               "cost profile in the manifest, so the adaptive controller starts informed.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, trust_pickle, tune, overwrite, quiet, as_json) -> None:
+           accuracy_level, attention, trust_pickle, engine, trt_route, trt_precision, tune, overwrite, quiet,
+           as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
     Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
@@ -112,11 +120,19 @@ def export(target, draft, out, precision, draft_precision, max_context, max_draf
     """
     from ..export.bundle import ExportConfig, export_bundle
 
+    if engine == "tensorrt":  # check the combination before minutes of export
+        from ..export.tensorrt import check_tensorrt_export
+
+        check_tensorrt_export(attention, precision, draft, draft_precision)
     manifest = export_bundle(ExportConfig(
         target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
         max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
         accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
         quiet=quiet))
+    if engine == "tensorrt":
+        from ..export.tensorrt import build_engines_for_bundle
+
+        manifest = build_engines_for_bundle(out, precision=trt_precision, route=trt_route, quiet=quiet)
     extra = manifest.to_json()["extra"]
     if tune:
         extra["cost_profile"] = _tune(out, threads=0, quiet=quiet)

@@ -173,12 +173,15 @@ class Generator:
         if codec.vocab_size > manifest.target.vocab_size:
             raise InvalidParameterError(f"tokenizer has {codec.vocab_size} tokens but the target's vocab_size is "
                                         f"{manifest.target.vocab_size}")
-        target = create_engine(manifest.target, resolve_inside(bundle, manifest.target.graph), options)
+        # GPU providers get the device-resident engine (KV cache in device memory, bound in place).
+        backend = "onnxruntime" if options.provider == "cpu" else "onnxruntime-gpu"
+        target = create_engine(manifest.target, resolve_inside(bundle, manifest.target.graph), options, backend)
         draft = None
         if manifest.draft is not None and load_draft:
             draft_options = replace(options, intra_op_threads=draft_threads if draft_threads is not None
                                     else options.intra_op_threads)
-            draft = create_engine(manifest.draft, resolve_inside(bundle, manifest.draft.graph), draft_options)
+            draft = create_engine(manifest.draft, resolve_inside(bundle, manifest.draft.graph), draft_options,
+                                  backend)
         gen = cls(bundle, manifest, codec, target, draft)
         gen.threads = options.intra_op_threads
         if gen.cost_profile is not None and not cost_profile.usable(gen.cost_profile, gen.threads):

@@ -104,7 +104,10 @@ class _Run:
     def commit(self, block: list[int]) -> list[int]:
         """Truncate a block at EOS / max_new_tokens; set finish_reason when the run ends."""
         result, stats = self.result, self.stats
-        room = self.max_new_tokens - len(result.tokens)
+        # Prompt + output never exceed max_context (the cache's capacity): a block accepted whole
+        # right at the end would otherwise commit one token more than plain decoding, which stops
+        # when the history fills the context, and the output would depend on k.
+        room = min(self.max_new_tokens - len(result.tokens), self.kv.capacity - len(self.history))
         out = []
         for token in block[:room]:
             out.append(token)
