@@ -172,6 +172,10 @@ def export_bundle(config: ExportConfig) -> Manifest:
     out = Path(config.out)
     if out.exists() and not config.overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
+    # --overwrite replaces a bundle, never an arbitrary folder (`--out . --overwrite` must not wipe it).
+    if out.exists() and not (out / "manifest.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not a specedge bundle (no manifest.json): --overwrite only "
+                          "replaces a bundle; choose another --out")
     self_draft = config.draft in SELF_DRAFTS
     stages = 4 + (0 if config.draft is None else (1 if self_draft else 2))
     progress = _Progress(config.quiet, stages)
@@ -179,6 +183,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    old = out.parent / f".{out.name}.old-{os.getpid()}"  # the replaced bundle, until the new one is in place
+    swapped = False
     started = time.perf_counter()
     try:
         progress(f"loading target {config.target}")
@@ -228,10 +234,21 @@ def export_bundle(config: ExportConfig) -> Manifest:
             extra={"validation": reports, "export_seconds": round(time.perf_counter() - started, 1)},
         )
         write_manifest(tmp, manifest)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        # Set the old bundle aside (a rename) rather than deleting it first: an interrupt during the
+        # swap then puts it back, so `out` always holds one complete bundle.
+        try:
+            if out.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(out, old)
+            os.replace(tmp, out)
+            swapped = True
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)
+            raise
         progress(f"bundle written to {out} ({sum(f['size'] for f in files.values()) / 1e6:.0f} MB)")
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if swapped:
+            shutil.rmtree(old, ignore_errors=True)

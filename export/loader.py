@@ -76,8 +76,9 @@ def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
         return out, f"gguf:{path.name}"
     _log(f"converting {path.name} from GGUF (dequantizing; cached after this run)", quiet)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     # save_pretrained refuses a GGUF-loaded model while it still carries the quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -123,5 +124,8 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ExportError(f"transformers could not load {path}: {exc}") from None
+    except Exception as exc:  # a corrupt safetensors file (SafetensorError), a pickle torch refuses (UnpicklingError)
+        lines = str(exc).strip().splitlines() or [""]
+        raise ExportError(f"transformers could not load {path}: {type(exc).__name__}: {lines[0][:300]}") from None
     model.eval()
     return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer))

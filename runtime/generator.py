@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..engines import EngineOptions, create_engine
-from ..errors import ContextOverflowError, InvalidParameterError
+from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..manifest import DRAFTERS, Manifest, load_manifest, resolve_inside
 from . import loop
 from . import profile as cost_profile
@@ -146,6 +146,7 @@ class Generator:
         self.eos_token_ids = manifest.target.eos_token_ids
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
         self._lock = threading.Lock()
+        self._owner: int | None = None  # id of the thread whose generation holds _lock
         self.threads = 0  # intra-op threads the sessions were created with (0 = ORT default)
         self.cost_profile: dict | None = None  # measured step costs for this machine, if any
         recorded = manifest.extra.get(cost_profile.PROFILE_KEY)
@@ -300,28 +301,39 @@ class Generator:
         result = GenerationResult("", [], "length", state.stats, ids)
         if stream is not None:
             stream.result = result
+        if self._owner == threading.get_ident():
+            # _lock is not reentrant: waiting here would hang this thread forever.
+            raise SpecedgeError("this thread already has an unfinished generation on this Generator (a "
+                                "stream() not yet exhausted or closed); finish, cancel() or close() it first: "
+                                "a Generator runs one generation at a time")
+        pending: list[str] = []
+
+        def on_block(tokens: list[int]) -> int | None:
+            """Decode a block as it commits; a completed stop string ends the run inside it."""
+            before = len(decoder.ids)
+            delta = decoder.push(tokens)
+            if delta:
+                pending.append(delta)
+            return None if decoder.stopped_at is None else decoder.stopped_at + 1 - before
+
         with self._lock:
+            self._owner = threading.get_ident()
             blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
-                              result=state, mode=config.mode)
+                              result=state, mode=config.mode, stop=on_block)
             try:
-                for block in blocks:
-                    final = state.finish_reason is not None
-                    delta = decoder.push(block, final=final)
-                    if decoder.stopped_at is not None:
-                        state.finish_reason = "stop_string"
-                        del state.tokens[decoder.stopped_at + 1:]
+                for _ in blocks:
                     result.text = decoder.text
                     result.token_ids = list(state.tokens)
-                    if delta:
-                        yield delta
-                    if decoder.stopped_at is not None:
-                        break
+                    if pending:
+                        yield "".join(pending)
+                        pending.clear()
                     if stream is not None and stream.cancelled:
                         state.finish_reason = "cancelled"
                         break
             finally:
+                self._owner = None
                 blocks.close()
                 tail = decoder.push([], final=True) if decoder.stopped_at is None else ""
                 result.text = decoder.text

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -86,7 +86,9 @@ class _Run:
 
     def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-                 drafter: Drafter | None, controller, result: LoopResult) -> None:
+                 drafter: Drafter | None, controller, result: LoopResult,
+                 stop: Callable[[list[int]], int | None] | None = None) -> None:
+        self.stop = stop
         self.target = target
         self.kv = target_kv
         self.max_new_tokens = max_new_tokens
@@ -102,7 +104,10 @@ class _Run:
         self.start = time.perf_counter()
 
     def commit(self, block: list[int]) -> list[int]:
-        """Truncate a block at EOS / max_new_tokens; set finish_reason when the run ends."""
+        """Truncate a block at EOS / a stop / max_new_tokens; set finish_reason when the run ends.
+
+        Stats count only what is committed here, so nothing past a stop is counted.
+        """
         result, stats = self.result, self.stats
         # Prompt + output never exceed max_context (the cache's capacity): a block accepted whole
         # right at the end would otherwise commit one token more than plain decoding, which stops
@@ -114,6 +119,11 @@ class _Run:
             if token in self.eos:
                 result.finish_reason = "stop"
                 break
+        if self.stop is not None and out:
+            keep = self.stop(out)  # e.g. a stop string completed by out[keep - 1]
+            if keep is not None:
+                out = out[:keep]
+                result.finish_reason = "stop_string"
         if result.finish_reason is None and len(result.tokens) + len(out) >= self.max_new_tokens:
             result.finish_reason = "length"
         result.tokens.extend(out)
@@ -225,20 +235,22 @@ class _Run:
 def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
         drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
-        mode: str = "sequential") -> Iterator[list[int]]:
+        mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
     session runs). ``mode``: "sequential", "pipelined" (verify-while-draft) or "auto"
     (measured choice per step). Fills ``result`` (tokens, finish_reason, stats) as it
-    goes; closing the iterator early (a stop string, a cancel) leaves it consistent.
+    goes; closing the iterator early (a cancel) leaves it consistent. ``stop(block)``
+    sees each block about to commit and returns how many of its tokens to keep when the
+    run must end inside it (a stop string), else None.
     """
     result = result if result is not None else LoopResult()
     stats = result.stats
     stats.prompt_tokens = len(prompt)
     stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
-                 drafter, controller, result)
+                 drafter, controller, result, stop)
 
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)

@@ -244,6 +244,14 @@ def test_stop_string_inside_a_block_truncates_text_and_tokens(k, span, self_spec
     assert "".join(deltas) == expected_text
 
 
+def test_stop_string_inside_a_block_is_not_counted_in_stats(self_spec, baseline):
+    _, pos = _first_new_token_at(baseline.token_ids, 4, 8)
+    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=8,
+                                stop=[word(baseline.token_ids[pos])])
+    assert len(result.token_ids) == pos + 1
+    _check_stats(result.stats, pos + 1, truncated=True)
+
+
 def test_stop_string_never_seen_changes_nothing(self_spec, baseline):
     result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, stop=["zzz"])
     assert result.token_ids == baseline.token_ids and result.finish_reason == "length"

@@ -1,0 +1,138 @@
+"""Hardening: one Generator shared by several threads gives each call the output it gives alone.
+
+What is guaranteed (runtime/generator.py): a Generator owns one KV cache per model, so
+its generations are serialised by an internal lock. ``generate()`` holds it for the whole
+call; a ``stream()`` holds it from its first ``next()`` until it is exhausted, cancelled
+or closed, so a stream another thread is slowly consuming makes other threads wait for
+it (nothing interleaves inside the caches). What is *not* possible is to run a second
+generation on the same Generator from the thread that still holds an unfinished stream:
+the lock is not reentrant, so that raises a SpecedgeError instead of hanging forever.
+For parallel generations, load one Generator per thread.
+
+What this module tries, on a tiny llama target with its int4 self-draft (greedy,
+fixed k = 4, different prompts per thread):
+
+- 2 and 4 threads calling ``generate()`` at once (sequential and pipelined modes, and
+  with the n-gram drafter): each result equals the serial run's, no exceptions, the lock
+  is free afterwards;
+- ``stream()`` from two threads, each consuming slowly (a sleep per delta) so the
+  threads interleave: each stream's text and tokens equal the serial run's;
+- the same thread starting a second generation while its first stream is unfinished:
+  a SpecedgeError naming the problem (not a deadlock, checked with a timeout), and the
+  Generator works normally once the first stream is closed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from specedge.errors import SpecedgeError
+from specedge.runtime.generator import Generator
+from tiny_models import build_model
+
+PROMPTS = [list(range(6, 26)), list(range(40, 52)), [7, 8, 9, 10, 11, 12, 13], list(range(100, 130))]
+SETTINGS = dict(max_new_tokens=80, drafter="model", draft_tokens=4, adaptive=False)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    from specedge.export.bundle import ExportConfig, export_bundle
+
+    root = tmp_path_factory.mktemp("hardening-threads")
+    folder = build_model(root / "model", "llama", 0)
+    out = root / "bundle"
+    export_bundle(ExportConfig(target=str(folder), out=out, draft="self-int4", max_context=256, quiet=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gen(bundle) -> Generator:
+    return Generator.from_bundle(bundle, threads=1)
+
+
+def _serial(gen: Generator, **extra) -> list:
+    return [gen.generate(input_ids=p, **{**SETTINGS, **extra}) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("n_threads", [2, 4])
+@pytest.mark.parametrize("extra", [{}, {"mode": "pipelined"}, {"drafter": "ngram"}],
+                         ids=["sequential", "pipelined", "ngram"])
+def test_concurrent_generate_equals_serial(gen, n_threads, extra):
+    serial = _serial(gen, **extra)
+    prompts = PROMPTS[:n_threads]
+    start = threading.Barrier(n_threads)
+
+    def run(prompt):
+        start.wait(30)  # release all threads at once
+        return gen.generate(input_ids=prompt, **{**SETTINGS, **extra})
+
+    with ThreadPoolExecutor(n_threads) as pool:
+        results = list(pool.map(run, prompts * 2))  # each prompt twice, all in flight together
+    for i, result in enumerate(results):
+        expected = serial[i % n_threads]
+        assert result.token_ids == expected.token_ids and result.text == expected.text
+        assert result.finish_reason == expected.finish_reason
+    assert not gen._lock.locked()
+
+
+def test_streams_from_two_threads_interleaved(gen):
+    serial = _serial(gen)[:2]
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def consume(i):
+        try:
+            start.wait(30)
+            stream = gen.stream(input_ids=PROMPTS[i], **SETTINGS)
+            for delta in stream:
+                texts[i].append(delta)
+                time.sleep(0.002)  # a slow consumer: the other thread gets scheduled in between
+            results[i] = stream.result
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors
+    for i in range(2):
+        assert "".join(texts[i]) == serial[i].text
+        assert results[i].token_ids == serial[i].token_ids
+    assert not gen._lock.locked()
+
+
+def test_second_generation_in_the_thread_holding_a_stream_raises_instead_of_hanging(gen):
+    expected = gen.generate(input_ids=PROMPTS[1], **SETTINGS)
+    outcome: dict[str, object] = {}
+
+    def scenario():
+        stream = gen.stream(input_ids=PROMPTS[0], **SETTINGS)
+        next(stream)  # the stream now holds the Generator
+        try:
+            gen.generate(input_ids=PROMPTS[1], **SETTINGS)
+        except SpecedgeError as exc:
+            outcome["error"] = str(exc)
+        try:
+            next(gen.stream(input_ids=PROMPTS[1], **SETTINGS))
+        except SpecedgeError as exc:
+            outcome["stream_error"] = str(exc)
+        stream.close()
+        outcome["after"] = gen.generate(input_ids=PROMPTS[1], **SETTINGS)
+
+    worker = threading.Thread(target=scenario, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "deadlock: a second generation waited for the same thread's stream"
+    assert "unfinished generation on this Generator" in outcome["error"]
+    assert "unfinished generation" in outcome["stream_error"]
+    assert outcome["after"].token_ids == expected.token_ids
+    assert not gen._lock.locked()
