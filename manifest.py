@@ -103,6 +103,15 @@ class ModelEntry:
     data_files: tuple[str, ...] = ()
     tokenizer_sha256: str = ""  # sha256 of the source's tokenizer.json, to prove draft and target share it
     attention: str = "standard"  # one of ATTENTIONS; decides the KV cache layout
+    # A vocabulary-truncated output layer (drafts only): the graph scores head_size tokens,
+    # whose ids (int32, little-endian) are stored in the bundle file head_tokens.
+    head_tokens: str | None = None
+    head_size: int = 0  # 0 = the full vocabulary
+
+    @property
+    def output_size(self) -> int:
+        """Width of the graph's logits: head_size for a truncated head, else vocab_size."""
+        return self.head_size or self.vocab_size
     io: ModelIO = field(default_factory=ModelIO)
 
 
@@ -149,6 +158,9 @@ class Manifest:
             d = asdict(m)
             d["eos_token_ids"] = list(m.eos_token_ids)
             d["data_files"] = list(m.data_files)
+            if not m.head_tokens:  # keep manifests of full-vocabulary models free of unused fields
+                d.pop("head_tokens")
+                d.pop("head_size")
             return d
 
         out: dict[str, Any] = {
@@ -236,6 +248,12 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
     if ints["n_heads"] % ints["n_kv_heads"]:
         raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
                             f"n_kv_heads ({ints['n_kv_heads']})")
+    head_size = _get(obj, "head_size", where, int, optional=True, default=0)
+    if not 0 <= head_size <= ints["vocab_size"]:
+        raise ManifestError(f"manifest field '{where}.head_size' must be in [0, vocab_size={ints['vocab_size']}]"
+                            f", got {head_size}")
+    if bool(head_size) != bool(obj.get("head_tokens")):
+        raise ManifestError(f"manifest fields '{where}.head_size' and '{where}.head_tokens' go together")
     eos = _get(obj, "eos_token_ids", where, list)
     for i, tok in enumerate(eos):
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < ints["vocab_size"]:
@@ -259,6 +277,9 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         tokenizer_sha256=_get(obj, "tokenizer_sha256", where, str, optional=True, default=""),
         attention=_choice(_get(obj, "attention", where, str, optional=True, default="standard"), ATTENTIONS,
                           f"{where}.attention"),
+        head_tokens=(_relpath(h, f"{where}.head_tokens")
+                     if (h := _get(obj, "head_tokens", where, str, optional=True)) else None),
+        head_size=_get(obj, "head_size", where, int, optional=True, default=0),
         io=_parse_io(io, f"{where}.io"),
         **ints,
     )
@@ -330,6 +351,7 @@ def parse_manifest(obj: Any) -> Manifest:
     # Every file the runtime reads needs a checksum, the chat template (rendered) included.
     referenced = [tokenizer.file] + [m.graph for m in (target, draft) if m] + \
                  [d for m in (target, draft) if m for d in m.data_files] + \
+                 [m.head_tokens for m in (target, draft) if m and m.head_tokens] + \
                  ([tokenizer.chat_template] if tokenizer.chat_template else [])
     for rel in referenced:
         if rel not in files:
@@ -385,6 +407,21 @@ def resolve_inside(bundle: Path, rel: str) -> Path:
 
 def file_record(path: Path) -> dict[str, Any]:
     return {"sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+def load_head_tokens(bundle: Path, entry: ModelEntry) -> "np.ndarray | None":
+    """The token ids of a truncated output layer: int32 [head_size], unique, inside the vocab."""
+    if not entry.head_tokens:
+        return None
+    import numpy as np
+
+    path = resolve_inside(Path(bundle), entry.head_tokens)
+    ids = np.fromfile(path, dtype="<i4")
+    if len(ids) != entry.head_size:
+        raise ManifestError(f"{entry.head_tokens} holds {len(ids)} ids but head_size is {entry.head_size}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= entry.vocab_size or len(np.unique(ids)) != len(ids)):
+        raise ManifestError(f"{entry.head_tokens} must hold unique token ids in [0, {entry.vocab_size})")
+    return ids.astype(np.int64)
 
 
 def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = True) -> Manifest:

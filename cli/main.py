@@ -86,6 +86,11 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits).")
 @click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int4", "int8"]), default=None,
               help="Draft precision (default: the target's).")
+@click.option("--draft-layers", type=int, default=None,
+              help="Self-drafts: keep only the target's first N layers (early exit: a cheaper draft).")
+@click.option("--draft-vocab", type=int, default=None,
+              help="Keep only the N most frequent tokens in the draft's output layer (FR-Spec): a cheaper draft "
+              "step; proposals stay in that subset, so the output is unchanged.")
 @click.option("--max-context", type=int, default=2048, show_default=True,
               help="Largest prompt + generation, in tokens. Sizes the preallocated KV cache.")
 @click.option("--max-draft-tokens", type=int, default=8, show_default=True,
@@ -109,7 +114,7 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
-def export(target, draft, out, precision, draft_precision, max_context, max_draft_tokens, block_size,
+def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
            accuracy_level, attention, trust_pickle, engine, trt_route, trt_precision, tune, overwrite, quiet,
            as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
@@ -126,6 +131,7 @@ def export(target, draft, out, precision, draft_precision, max_context, max_draf
         check_tensorrt_export(attention, precision, draft, draft_precision)
     manifest = export_bundle(ExportConfig(
         target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
+        draft_layers=draft_layers, draft_vocab=draft_vocab,
         max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
         accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
         quiet=quiet))

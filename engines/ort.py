@@ -81,7 +81,7 @@ class OrtEngine:
                             (io.present_value if self._gqa else io.new_value) % i) for i in range(entry.n_layers)]
         self._device = "cpu" if options.provider == "cpu" else "cuda"
         # Logits buffer for the largest call we make per step; prefill asks for 1 row.
-        self._logits = np.empty((1, 1, entry.vocab_size), np.float32)
+        self._logits = np.empty((1, 1, entry.output_size), np.float32)
 
     def _check_io(self) -> None:
         io = self.entry.io
@@ -108,7 +108,7 @@ class OrtEngine:
         cache = [1, e.n_kv_heads, None, e.head_dim] if gqa else [None, e.n_kv_heads, e.head_dim]
         kv_type = {"float32": "tensor(float)", "float16": "tensor(float16)"}[e.kv_dtype]
         args = {a.name: a for a in (*self.session.get_inputs(), *self.session.get_outputs())}
-        checks = [(io.logits, "tensor(float)", [1, None, e.vocab_size])]
+        checks = [(io.logits, "tensor(float)", [1, None, e.output_size])]
         checks += [(name % i, kv_type, cache) for i in range(e.n_layers) for name in (io.past_key, io.past_value)]
         for name, want_type, want_shape in checks:
             arg = args[name]
@@ -169,7 +169,7 @@ class OrtEngine:
                     binding.bind_input(past_name, "cpu", 0, dtype, past_shape, base)
                     binding.bind_output(new_name, "cpu", 0, dtype, new_shape, base + start * row)
         if self._logits.shape[1] != num_logits:
-            self._logits = np.empty((1, num_logits, e.vocab_size), np.float32)
+            self._logits = np.empty((1, num_logits, e.output_size), np.float32)
         binding.bind_output(io.logits, "cpu", 0, np.float32, list(self._logits.shape), self._logits.ctypes.data)
         self.session.run_with_iobinding(binding)
         return self._logits

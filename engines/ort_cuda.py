@@ -138,7 +138,7 @@ class OrtCudaEngine(OrtEngine):
         super().__init__(entry, graph_path, options, {**gpu, **(provider_options or {})})
         self.max_tokens = max_tokens
         self.stream = stream
-        self._logits_host = np.empty((1, entry.vocab_size), np.float32)  # grows to the largest num_logits seen
+        self._logits_host = np.empty((1, entry.output_size), np.float32)  # grows to the largest num_logits seen
 
     def new_cache(self) -> DeviceKVCache:
         e = self.entry
@@ -174,9 +174,9 @@ class OrtCudaEngine(OrtEngine):
             binding.bind_output(nk, device, dev, kv_type, new_shape, kv.key_ptr(layer, new_at))
             binding.bind_output(nv, device, dev, kv_type, new_shape, kv.value_ptr(layer, new_at))
         if self._logits_host.shape[0] < num_logits:
-            self._logits_host = np.empty((num_logits, e.vocab_size), np.float32)
+            self._logits_host = np.empty((num_logits, e.output_size), np.float32)
         # The first num_logits rows of the host buffer are contiguous: ORT copies just those rows out.
-        binding.bind_output(io.logits, "cpu", 0, np.float32, [1, num_logits, e.vocab_size],
+        binding.bind_output(io.logits, "cpu", 0, np.float32, [1, num_logits, e.output_size],
                             self._logits_host.ctypes.data)
         self.session.run_with_iobinding(binding)
         kv.length = start + n

@@ -503,6 +503,7 @@ class TensorrtEngine:
         self.entry = entry
         self.options = options
         self.vocab_size = entry.vocab_size
+        self.output_size = entry.output_size
         self.max_context = entry.max_context
         self._kv_dtype = np.dtype(entry.kv_dtype)
         cuda_call(cudart.cudaSetDevice(options.device_id), "cudaSetDevice")
@@ -541,8 +542,8 @@ class TensorrtEngine:
             return
         if self._logits_rows:
             self._cudart.cudaFree(self._logits_dev)
-        self._logits = _Pinned(self._cudart, rows * self.vocab_size, np.float32)
-        self._logits_dev = cuda_call(self._cudart.cudaMalloc(rows * self.vocab_size * 4), "cudaMalloc")
+        self._logits = _Pinned(self._cudart, rows * self.output_size, np.float32)
+        self._logits_dev = cuda_call(self._cudart.cudaMalloc(rows * self.output_size * 4), "cudaMalloc")
         self._logits_rows = rows
 
     def _check_io(self, trt) -> None:
@@ -618,7 +619,7 @@ class TensorrtEngine:
         if not ctx.execute_async_v3(self.stream):
             raise BackendUnavailableError(f"TensorRT failed to run {e.graph} on {n} tokens after {start} cached "
                                           "(see the TensorRT log above)")
-        rows = num_logits * e.vocab_size
+        rows = num_logits * e.output_size
         cuda_call(cudart.cudaMemcpyAsync(self._logits.ptr, self._logits_dev, rows * 4,
                                          cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
                   "cudaMemcpyAsync")

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,8 @@ class ExportConfig:
     block_size: int = 32
     accuracy_level: int = 4
     attention: str = "gqa"  # "gqa" = ORT's fused GroupQueryAttention (Llama family); "standard" = plain ops
+    draft_layers: int | None = None  # self-drafts: keep only the target's first N layers (early exit)
+    draft_vocab: int | None = None  # keep the N most frequent tokens in the draft's output layer (FR-Spec)
     trust_pickle: bool = False
     overwrite: bool = False
     quiet: bool = False
@@ -49,6 +51,11 @@ class ExportConfig:
                 raise InvalidParameterError(f"{name} must be one of fp32, fp16, int4, int8; got {value!r}")
         if not 16 <= self.max_context <= 1 << 20:
             raise InvalidParameterError(f"max_context must be in [16, 1048576]; got {self.max_context}")
+        if self.draft_layers is not None and (self.draft_layers < 1 or self.draft not in SELF_DRAFTS):
+            raise InvalidParameterError("draft_layers needs a self-draft (--draft self-int4/self-int8) and must be "
+                                        f">= 1; got {self.draft_layers} with draft {self.draft!r}")
+        if self.draft_vocab is not None and (self.draft_vocab < 16 or self.draft is None):
+            raise InvalidParameterError(f"draft_vocab needs a draft and must be >= 16; got {self.draft_vocab}")
         if self.attention not in ("gqa", "standard"):
             raise InvalidParameterError(f"attention must be gqa or standard; got {self.attention!r}")
         if not 1 <= self.max_draft_tokens <= 64:
@@ -100,7 +107,21 @@ class _ModelExporter:
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
         self.reports: dict = {}
 
-    def _write(self, role: str, precision: str, source: str) -> ModelEntry:
+    def _variant(self, layers: int | None, head_ids: np.ndarray | None):
+        """Spec and weights of an early-exit and/or vocabulary-truncated copy of this model."""
+        spec, weights = self.spec, self.weights
+        if layers is not None:
+            if layers > spec.n_layers:
+                raise InvalidParameterError(f"draft_layers {layers} exceeds the model's {spec.n_layers} layers")
+            spec = replace(spec, n_layers=layers)  # the builder reads layers 0..layers-1 only
+        if head_ids is not None:
+            lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"].T
+            weights = {**weights, "lm_head": np.ascontiguousarray(lm_head[:, head_ids])}
+            spec = replace(spec, vocab_size=len(head_ids), tied_embeddings=False)
+        return spec, weights
+
+    def _write(self, role: str, precision: str, source: str, *, layers: int | None = None,
+               head_ids: np.ndarray | None = None) -> ModelEntry:
         from .graph import build_decoder
         from .quantize import QuantConfig, quantize_graph
         from .validate import FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, compare_graphs, validate_graph
@@ -109,13 +130,20 @@ class _ModelExporter:
         folder.mkdir(exist_ok=True)
         graph = folder / "model.onnx"
         cfg = self.config
+        spec, weights = self._variant(layers, head_ids)
+        head_file = None
+        if head_ids is not None:
+            head_file = folder / "head_tokens.i32"
+            np.asarray(head_ids, "<i4").tofile(head_file)
+        check = {"head_ids": head_ids, "layers": layers}
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
-            files = build_decoder(self.spec, self.weights, graph, dtype=dtype, attention=self.attention,
+            files = build_decoder(spec, weights, graph, dtype=dtype, attention=self.attention,
                                   max_context=cfg.max_context)
-            entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16")
+            entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16",
+                                spec=spec, head_file=head_file)
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
-            report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol)
+            report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol, **check)
             self.reports[f"{role}:{precision}"] = report.as_dict()
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
@@ -123,24 +151,48 @@ class _ModelExporter:
         scratch = self.root / f".{role}-fp32-src"
         scratch.mkdir(exist_ok=True)
         src_graph = scratch / "model.onnx"
-        src_files = build_decoder(self.spec, self.weights, src_graph, untie_lm_head=True, attention=self.attention,
+        src_files = build_decoder(spec, weights, src_graph, untie_lm_head=True, attention=self.attention,
                                   max_context=cfg.max_context)
-        src_entry = self._entry(role, src_files, source, "fp32", "float32")
+        src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:fp32-untied"] = validate_graph(
-            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE).as_dict()
+            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check).as_dict()
         quant = QuantConfig(bits=4 if precision == "int4" else 8, block_size=cfg.block_size,
                             accuracy_level=cfg.accuracy_level)
         files = quantize_graph(src_graph, graph, quant)
-        entry = self._entry(role, files, source, precision, "float32")
+        entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
         shutil.rmtree(scratch)
         return entry
 
-    def _entry(self, role: str, files: list[Path], source: str, precision: str, kv_dtype: str) -> ModelEntry:
+    def _entry(self, role: str, files: list[Path], source: str, precision: str, kv_dtype: str, *, spec=None,
+               head_file: Path | None = None) -> ModelEntry:
         rel = [str(p.relative_to(self.root)) for p in files]
-        return _entry(self.spec, graph=rel[0], data_files=rel[1:], source=source, precision=precision,
-                      max_context=self.config.max_context, eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype,
-                      tokenizer_sha256=self.tokenizer_sha256, attention=self.attention)
+        spec = spec or self.spec
+        entry = _entry(replace(spec, vocab_size=self.spec.vocab_size), graph=rel[0], data_files=rel[1:],
+                       source=source, precision=precision, max_context=self.config.max_context,
+                       eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype, tokenizer_sha256=self.tokenizer_sha256,
+                       attention=self.attention)
+        if head_file is not None:
+            entry = replace(entry, head_tokens=str(head_file.relative_to(self.root)), head_size=spec.vocab_size)
+        return entry
+
+
+def draft_head_tokens(tokenizer, vocab_size: int, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """The ``size`` token ids a vocabulary-truncated draft head keeps, sorted.
+
+    Special and EOS tokens always stay (a draft that cannot propose EOS never ends a block
+    on it). The rest are ranked by BPE merge order (a lower id was merged earlier, i.e. its
+    pair was more frequent in the tokenizer's training corpus), the corpus-frequency ranking
+    of FR-Spec without needing a corpus here.
+    """
+    keep = {i for i in eos_ids} | {i for i in tokenizer.get_added_vocab().values() if i < vocab_size}
+    if size < len(keep):
+        raise InvalidParameterError(f"draft_vocab {size} is smaller than the {len(keep)} special tokens it must keep")
+    for token_id in range(vocab_size):
+        if len(keep) >= size:
+            break
+        keep.add(token_id)
+    return np.array(sorted(keep), np.int64)
 
 
 def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:
@@ -196,10 +248,14 @@ def export_bundle(config: ExportConfig) -> Manifest:
         target = target_exp._write("target", config.precision, target_loaded.source)
         reports = dict(target_exp.reports)
         draft = None
+        head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,
+                                      target.eos_token_ids) if config.draft_vocab else None)
         if self_draft:
             precision = config.draft.removeprefix("self-")
-            progress(f"building self-draft ({precision} copy of the target)")
-            draft = target_exp._write("draft", precision, f"self-{precision} of {target_loaded.source}")
+            layers = f", first {config.draft_layers} layers" if config.draft_layers else ""
+            progress(f"building self-draft ({precision} copy of the target{layers})")
+            what = f"self-{precision}{layers} of {target_loaded.source}"
+            draft = target_exp._write("draft", precision, what, layers=config.draft_layers, head_ids=head_ids)
             reports.update(target_exp.reports)
         del target_exp, target_loaded
         gc.collect()
@@ -213,7 +269,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
                     "share the target's tokenizer")
             progress(f"building + validating draft graph ({config.draft_precision or config.precision})")
             draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256)
-            draft = draft_exp._write("draft", config.draft_precision or config.precision, draft_loaded.source)
+            draft = draft_exp._write("draft", config.draft_precision or config.precision, draft_loaded.source,
+                                     head_ids=head_ids)
             reports.update(draft_exp.reports)
             del draft_exp, draft_loaded
             gc.collect()

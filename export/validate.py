@@ -36,11 +36,36 @@ class ValidationReport:
         return {"max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance, "top1_agreement": self.top1_agreement}
 
 
-def _torch_logits(model: Any, ids: np.ndarray) -> np.ndarray:
+def _torch_logits(model: Any, ids: np.ndarray, layers: int | None = None) -> np.ndarray:
+    """PyTorch logits [n, vocab]; ``layers`` runs only the first that many decoder layers."""
     import torch
 
-    with torch.no_grad():
-        return model(torch.from_numpy(ids[None])).logits[0].float().numpy()
+    with torch.no_grad(), _first_layers(model, layers):
+        return model(torch.from_numpy(ids[None]), use_cache=False).logits[0].float().numpy()
+
+
+class _first_layers:
+    """Temporarily cut an HF decoder to its first n layers (the early-exit draft's reference)."""
+
+    def __init__(self, model: Any, n: int | None) -> None:
+        self.model, self.n = model, n
+
+    def __enter__(self):
+        if self.n is not None:
+            import torch
+
+            body = self.model.model if hasattr(self.model, "model") else self.model.transformer
+            name = "layers" if hasattr(body, "layers") else "h"
+            self.saved = (body, name, getattr(body, name), self.model.config.num_hidden_layers)
+            setattr(body, name, torch.nn.ModuleList(list(getattr(body, name))[: self.n]))
+            self.model.config.num_hidden_layers = self.n
+        return self
+
+    def __exit__(self, *exc):
+        if self.n is not None:
+            body, name, layers, count = self.saved
+            setattr(body, name, layers)
+            self.model.config.num_hidden_layers = count
 
 
 def _ort_logits(engine: OrtEngine, ids: np.ndarray, prefill: int, verify: int) -> dict[str, np.ndarray]:
@@ -53,11 +78,18 @@ def _ort_logits(engine: OrtEngine, ids: np.ndarray, prefill: int, verify: int) -
 
 
 def validate_graph(model: Any, entry: ModelEntry, graph: Path, *, relative_tolerance: float,
-                   prefill: int = 7, verify: int = 5, seed: int = 0, strict: bool = True) -> ValidationReport:
-    """Raise ExportValidationError naming the step and tensor if ORT and PyTorch disagree."""
+                   prefill: int = 7, verify: int = 5, seed: int = 0, strict: bool = True,
+                   head_ids: np.ndarray | None = None, layers: int | None = None) -> ValidationReport:
+    """Raise ExportValidationError naming the step and tensor if ORT and PyTorch disagree.
+
+    ``layers`` / ``head_ids``: the graph is an early-exit and/or truncated-head copy; it is
+    compared with the first ``layers`` layers of the PyTorch model, at the ``head_ids`` columns.
+    """
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, entry.vocab_size, size=prefill + 1 + verify).astype(np.int64)
-    reference = _torch_logits(model, ids)
+    reference = _torch_logits(model, ids, layers)
+    if head_ids is not None:
+        reference = reference[:, head_ids]
     engine = OrtEngine(entry, graph, EngineOptions())
     got = _ort_logits(engine, ids, prefill, verify)
     rows = {"prefill": reference[:prefill], "step": reference[prefill:prefill + 1],

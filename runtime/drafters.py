@@ -49,8 +49,13 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
-                 cache=None) -> None:
+                 cache=None, head_ids: np.ndarray | None = None, vocab_size: int | None = None) -> None:
         self.engine = engine
+        # A vocabulary-truncated draft head scores only head_ids (int64 [head_size]); proposals stay
+        # inside that subset, and p_draft is the head's distribution placed on those ids (zero
+        # elsewhere), which is exactly the distribution the tokens were drawn from.
+        self.head_ids = head_ids
+        self.vocab_size = vocab_size or engine.vocab_size
         self.sampling = sampling
         self.p_min = p_min  # stop drafting when the draft's top probability falls below this
         self.cache = cache if cache is not None else engine.new_cache()
@@ -93,13 +98,19 @@ class ModelDrafter:
         for i in range(k):
             logits = self._feed(pending)
             if self.sampling.greedy:
-                token = int(np.argmax(logits))
+                index = int(np.argmax(logits))
                 top = _top_prob(logits) if self.p_min > 0 else 1.0
             else:
-                p_draft = warp(logits, self.sampling)
-                token = sample(p_draft, self.rng)
-                top = float(p_draft.max())
-                probs.append(p_draft)
+                p_head = warp(logits, self.sampling)
+                index = sample(p_head, self.rng)
+                top = float(p_head.max())
+                if self.head_ids is None:
+                    probs.append(p_head)
+                else:
+                    p_draft = np.zeros(self.vocab_size)
+                    p_draft[self.head_ids] = p_head
+                    probs.append(p_draft)
+            token = index if self.head_ids is None else int(self.head_ids[index])
             if top < self.p_min:
                 if probs:
                     probs.pop()

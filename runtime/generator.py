@@ -26,7 +26,7 @@ import numpy as np
 
 from ..engines import EngineOptions, create_engine
 from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
-from ..manifest import DRAFTERS, Manifest, load_manifest, resolve_inside
+from ..manifest import DRAFTERS, Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
 from . import profile as cost_profile
 from .controller import AdaptiveK, CostProfile, FixedK
@@ -142,6 +142,8 @@ class Generator:
         self.draft = draft
         self.target_kv = target.new_cache()  # allocated once, reused by every call
         self.draft_kv = draft.new_cache() if draft is not None else None
+        self.draft_head_ids = (load_head_tokens(bundle, manifest.draft)
+                               if draft is not None and manifest.draft is not None else None)
         self.max_context = manifest.target.max_context
         self.eos_token_ids = manifest.target.eos_token_ids
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
@@ -233,7 +235,8 @@ class Generator:
             drafter = NGramDrafter(config.max_ngram, config.min_ngram)
         else:
             model = ModelDrafter(self.draft, sampling, p_min=config.p_min,
-                                 seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv)
+                                 seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv,
+                                 head_ids=self.draft_head_ids, vocab_size=self.manifest.target.vocab_size)
             drafter = model if name == "model" else CompositeDrafter(
                 NGramDrafter(config.max_ngram, config.min_ngram), model)
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive

@@ -172,8 +172,10 @@ def test_custom_code_only_model_type_is_an_export_error(variant, tmp_path):
     assert not out.exists()
 
 
-def test_gguf_loading_passes_trust_remote_code_false(tmp_path, monkeypatch, spy_from_pretrained):
-    """No GGUF file is converted here: the first from_pretrained call is stopped after being recorded."""
+def test_gguf_loading_passes_trust_remote_code_false(tmp_path, monkeypatch):
+    """No GGUF file is converted here: both from_pretrained calls are recorded, then stopped."""
+    import types
+
     import transformers
 
     from specedge.export.loader import load_gguf
@@ -184,19 +186,23 @@ def test_gguf_loading_passes_trust_remote_code_false(tmp_path, monkeypatch, spy_
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + b"\x00" * 64)
-    seen: list[dict] = []
+    seen: dict[str, dict] = {}
 
-    def stop_model(klass, *args, **kwargs):
-        seen.append(kwargs)
+    def fake_model(klass, *args, **kwargs):
+        seen["model"] = kwargs
+        return types.SimpleNamespace(config=types.SimpleNamespace())
+
+    def fake_tokenizer(klass, *args, **kwargs):
+        seen["tokenizer"] = kwargs
         raise Stop
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(stop_model))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(fake_model))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(fake_tokenizer))
     with pytest.raises(Stop):
         load_gguf(gguf, quiet=True)
-    assert seen and seen[0].get("trust_remote_code") is False and seen[0].get("gguf_file") == "model.gguf"
-    source = pathlib.Path(load_gguf.__code__.co_filename).read_text()
-    tokenizer_call = source[source.index("AutoTokenizer.from_pretrained(str(path.parent)"):]
-    assert "trust_remote_code=False" in tokenizer_call.split("\n")[0]
+    for role in ("model", "tokenizer"):
+        assert seen[role].get("trust_remote_code") is False, (role, seen[role])
+        assert seen[role].get("gguf_file") == "model.gguf"
 
 
 # --------------------------------------------------------------------------- broken weights
