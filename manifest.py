@@ -218,6 +218,10 @@ def _relpath(value: str, name: str) -> str:
     """Refuse paths that could leave the bundle before touching the file system."""
     if not value or "\x00" in value:
         raise UnsafePathError(f"manifest field '{name}' is an empty or invalid path")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file system can name it
+        raise UnsafePathError(f"manifest field '{name}' is not a valid UTF-8 path: {_show(value)}") from None
     if value.startswith(("/", "\\")) or (len(value) > 1 and value[1] == ":"):
         raise UnsafePathError(f"manifest field '{name}' is an absolute path ({value!r}); bundle paths are relative")
     parts = PurePosixPath(value.replace("\\", "/")).parts

@@ -106,6 +106,7 @@ class _ModelExporter:
         # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
         self.reports: dict = {}
+        self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
         """Spec and weights of an early-exit and/or vocabulary-truncated copy of this model."""
@@ -124,7 +125,8 @@ class _ModelExporter:
                head_ids: np.ndarray | None = None) -> ModelEntry:
         from .graph import build_decoder
         from .quantize import QuantConfig, quantize_graph
-        from .validate import FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, compare_graphs, validate_graph
+        from .validate import (FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, batch_variance, compare_graphs,
+                               validate_graph)
 
         folder = self.root / role
         folder.mkdir(exist_ok=True)
@@ -145,6 +147,7 @@ class _ModelExporter:
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
             report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol, **check)
             self.reports[f"{role}:{precision}"] = report.as_dict()
+            self.batch_variance[role] = batch_variance(entry, graph)
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
         # layer, often the biggest matrix, is quantized too).
@@ -161,6 +164,7 @@ class _ModelExporter:
         files = quantize_graph(src_graph, graph, quant)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
+        self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)
         return entry
 
@@ -247,6 +251,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256)
         target = target_exp._write("target", config.precision, target_loaded.source)
         reports = dict(target_exp.reports)
+        variance = dict(target_exp.batch_variance)
         draft = None
         head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,
                                       target.eos_token_ids) if config.draft_vocab else None)
@@ -257,6 +262,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             what = f"self-{precision}{layers} of {target_loaded.source}"
             draft = target_exp._write("draft", precision, what, layers=config.draft_layers, head_ids=head_ids)
             reports.update(target_exp.reports)
+            variance.update(target_exp.batch_variance)
         del target_exp, target_loaded
         gc.collect()
         if config.draft is not None and not self_draft:
@@ -272,6 +278,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             draft = draft_exp._write("draft", config.draft_precision or config.precision, draft_loaded.source,
                                      head_ids=head_ids)
             reports.update(draft_exp.reports)
+            variance.update(draft_exp.batch_variance)
             del draft_exp, draft_loaded
             gc.collect()
         progress("writing manifest")
@@ -288,7 +295,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "export_seconds": round(time.perf_counter() - started, 1)},
+            extra={"validation": reports, "batch_variance": variance,
+                   "export_seconds": round(time.perf_counter() - started, 1)},
         )
         write_manifest(tmp, manifest)
         # Set the old bundle aside (a rename) rather than deleting it first: an interrupt during the

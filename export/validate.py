@@ -123,3 +123,25 @@ def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, grap
         raise ExportValidationError(f"{graph_b.name} produced non-finite logits")
     return {"top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
             "max_abs_diff": float(np.abs(a - b).max())}
+
+
+def batch_variance(entry: ModelEntry, graph: Path, *, verify: int = 5, prefix: int = 16, trials: int = 3,
+                   seed: int = 1) -> float:
+    """Largest logit difference between a ``verify``-token step and the same tokens one at a time.
+
+    This is how far the graph is from batch-invariant; a greedy argmax can only differ
+    between speculative and plain decoding where the top-2 gap is below about this.
+    """
+    rng = np.random.default_rng(seed)
+    engine = OrtEngine(entry, graph, EngineOptions())
+    worst = 0.0
+    for _ in range(trials):
+        ids = rng.integers(0, entry.vocab_size, size=prefix + verify).astype(np.int64)
+        kv = engine.new_cache()
+        engine.forward(ids[:prefix], kv, num_logits=1)
+        batched = engine.forward(ids[prefix:], kv, num_logits=verify).copy()
+        kv.rewind(verify)
+        single = np.stack([engine.forward(ids[prefix + i:prefix + i + 1], kv, num_logits=1)[-1].copy()
+                           for i in range(verify)])
+        worst = max(worst, float(np.abs(batched - single).max()))
+    return worst

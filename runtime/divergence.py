@@ -22,11 +22,12 @@ class Divergence:
     index: int  # first position (in new tokens) where the runs differ
     tokens: tuple[int, int]  # (baseline token, other token) there
     top2_gap: float  # target's top-1 minus top-2 logit at that position, from a plain prefill
-    near_tie: bool  # top2_gap < NEAR_TIE_GAP
+    near_tie: bool  # top2_gap < threshold
+    threshold: float = NEAR_TIE_GAP
 
     def as_dict(self) -> dict:
         return {"index": self.index, "tokens": list(self.tokens), "top2_gap": self.top2_gap,
-                "near_tie": self.near_tie, "threshold": NEAR_TIE_GAP}
+                "near_tie": self.near_tie, "threshold": self.threshold}
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -37,8 +38,11 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def explain(target, prompt_ids: Sequence[int], baseline: Sequence[int], other: Sequence[int]) -> Divergence | None:
-    """Measure the target's top-2 gap at the first divergence of ``other`` from ``baseline``."""
+def explain(target, prompt_ids: Sequence[int], baseline: Sequence[int], other: Sequence[int],
+            near_tie: float = NEAR_TIE_GAP) -> Divergence | None:
+    """Measure the target's top-2 gap at the first divergence of ``other`` from ``baseline``.
+
+    ``near_tie``: the bundle's threshold (``Generator.near_tie_gap``)."""
     i = first_divergence(baseline, other)
     if i is None or i >= min(len(baseline), len(other)):
         return None
@@ -47,4 +51,4 @@ def explain(target, prompt_ids: Sequence[int], baseline: Sequence[int], other: S
     logits = np.asarray(target.forward(prefix, kv, num_logits=1)[-1], np.float64)
     top2 = np.partition(logits, logits.shape[-1] - 2)[-2:]
     gap = float(top2[1] - top2[0])
-    return Divergence(i, (int(baseline[i]), int(other[i])), gap, gap < NEAR_TIE_GAP)
+    return Divergence(i, (int(baseline[i]), int(other[i])), gap, gap < near_tie, near_tie)

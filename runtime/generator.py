@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..engines import EngineOptions, create_engine
-from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
+from ..errors import BundleError, ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..manifest import DRAFTERS, Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
 from . import profile as cost_profile
@@ -34,6 +34,7 @@ from .drafters import CompositeDrafter, ModelDrafter, NGramDrafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .text import StreamDecoder, TextCodec
+from .verify import near_tie_gap
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ class Generator:
                                if draft is not None and manifest.draft is not None else None)
         self.max_context = manifest.target.max_context
         self.eos_token_ids = manifest.target.eos_token_ids
+        variance = manifest.extra.get("batch_variance", {}).get("target")
+        self.near_tie_gap = near_tie_gap(manifest.target.precision,
+                                         variance if isinstance(variance, (int, float)) else None)
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
         self._lock = threading.Lock()
         self._owner: int | None = None  # id of the thread whose generation holds _lock
@@ -170,7 +174,11 @@ class Generator:
         tok = manifest.tokenizer
         template = None
         if tok.chat_template:
-            template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
+            try:
+                template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise BundleError(f"chat template {tok.chat_template!r} is not UTF-8 text: {exc.reason} at byte "
+                                  f"{exc.start}") from None
         codec = TextCodec(resolve_inside(bundle, tok.file), template, bos_token=tok.bos_token,
                           eos_token=tok.eos_token, add_bos_token=tok.add_bos_token)
         if codec.vocab_size > manifest.target.vocab_size:
@@ -324,7 +332,7 @@ class Generator:
             blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
-                              result=state, mode=config.mode, stop=on_block)
+                              result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap)
             try:
                 for _ in blocks:
                     result.text = decoder.text

@@ -37,7 +37,7 @@ from ..engines.base import Engine, KVCache
 from .drafters import Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
-from .verify import Proposal, verify
+from .verify import NEAR_TIE_GAP, Proposal, verify
 
 MODES = ("sequential", "pipelined", "auto")
 
@@ -87,8 +87,9 @@ class _Run:
     def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
                  drafter: Drafter | None, controller, result: LoopResult,
-                 stop: Callable[[list[int]], int | None] | None = None) -> None:
+                 stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP) -> None:
         self.stop = stop
+        self.near_tie = near_tie
         self.target = target
         self.kv = target_kv
         self.max_new_tokens = max_new_tokens
@@ -147,7 +148,7 @@ class _Run:
         return self.controller.choose(limit)
 
     def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
-        verdict = verify(proposal, logits, self.sampling, self.rng)
+        verdict = verify(proposal, logits, self.sampling, self.rng, self.near_tie)
         self.kv.rewind(len(proposal.tokens) - verdict.n_accepted)
         self.stats.near_ties += verdict.near_ties
         return self.commit(verdict.tokens), verdict.n_accepted
@@ -235,7 +236,8 @@ class _Run:
 def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
         drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
-        mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None) -> Iterator[list[int]]:
+        mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
+        near_tie: float = NEAR_TIE_GAP) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
@@ -250,11 +252,11 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     stats.prompt_tokens = len(prompt)
     stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
-                 drafter, controller, result, stop)
+                 drafter, controller, result, stop, near_tie)
 
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)
-    first = verify(Proposal.empty(), logits, sampling, rng)
+    first = verify(Proposal.empty(), logits, sampling, rng, near_tie)
     stats.prefill_s = time.perf_counter() - state.start
     stats.near_ties += first.near_ties
     block = state.commit(first.tokens)

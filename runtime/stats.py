@@ -15,7 +15,7 @@ class GenerationStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [i] = steps that drafted a token at i
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = steps that accepted the token at i
     k_chosen: dict[int, int] = field(default_factory=dict)  # draft length -> steps
-    near_ties: int = 0  # greedy positions whose target top-2 logit gap was below verify.NEAR_TIE_GAP
+    near_ties: int = 0  # greedy positions whose target top-2 logit gap was below the bundle's near-tie gap
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

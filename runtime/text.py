@@ -71,6 +71,8 @@ class TextCodec:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:  # includes the template's own raise_exception("roles must alternate")
             raise InvalidParameterError(f"the chat template rejected these messages: {exc}") from None
+        except RecursionError:  # a template macro that calls itself: the bundle's fault, not the messages'
+            raise BundleError("the bundle's chat template recurses without end; fix or re-export the bundle") from None
 
 
 class StreamDecoder:

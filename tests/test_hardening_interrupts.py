@@ -11,7 +11,8 @@ What this module tries:
   that is not a bundle is refused and the folder is untouched;
 - generation: a ``stream()`` consumed partially then ``close()``d has the text so far,
   token ids matching that text and finish_reason "cancelled"; a KeyboardInterrupt raised
-  inside a session run propagates out of the stream with the same result; ``cancel()``
+  inside a session run (sequential, and pipelined where the verify runs in a worker
+  thread) propagates out of the stream with the same result; ``cancel()``
   (from the consuming thread or another one) stops at the next block boundary with
   "cancelled". After each, the Generator's lock is free and its next generation equals a
   freshly loaded Generator's;
@@ -179,8 +180,10 @@ def test_stream_closed_midway_keeps_the_text_so_far(gen, reference):
     _assert_usable(gen, reference)
 
 
-def test_ctrl_c_inside_a_session_run(gen, reference, monkeypatch):
-    """KeyboardInterrupt raised in the middle of decoding (as Python raises it when ORT returns)."""
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+def test_ctrl_c_inside_a_session_run(gen, reference, monkeypatch, mode):
+    """KeyboardInterrupt raised in the middle of decoding (as Python raises it when ORT returns); in
+    pipelined mode the verify that raises runs in the loop's worker thread."""
     calls = {"n": 0}
     real = OrtEngine.forward
 
@@ -191,7 +194,7 @@ def test_ctrl_c_inside_a_session_run(gen, reference, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(OrtEngine, "forward", forward)
-    stream = gen.stream(PROMPT, chat=False, max_new_tokens=60, **SPEC)
+    stream = gen.stream(PROMPT, chat=False, max_new_tokens=60, mode=mode, **SPEC)
     got = []
     with pytest.raises(KeyboardInterrupt):
         for delta in stream:

@@ -58,7 +58,7 @@ NASTY_PATHS = [
     "/etc/passwd", "/", "//server/share", "\\evil", "\\\\server\\share", "target\\..\\..\\x", "..\\x",
     "C:\\Windows\\x", "c:x", "a\x00b", "\x00", "tokenizer.json\x00.png", "a" * 300, "a/" * 3000, "x" * 70000,
     "~/x", "target//model.onnx", "./tokenizer.json", "target/model.onnx/", "\u00e9t\u00e9/\u4e2d\u6587.onnx",
-    "\ud83d\ude00", "\u202etxt.exe", "target/model.onnx\n", "con", "nul:", "\udc80",
+    "\ud83d\ude00", "\u202etxt.exe", "target/model.onnx\n", "con", "nul:", "\udc80", "\ud800", "a\udfffb/c",
 ]
 NASTY_INTS = [-(2 ** 63), -1, 0, 1, 2, 7, 63, 64, 65, 300, 2 ** 31, 2 ** 63, 10 ** 30]
 
@@ -216,10 +216,11 @@ def test_random_manifests_on_disk_load_or_raise_a_typed_error(manifest_obj, scra
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(text=st.text(max_size=200) | st.binary(max_size=200).map(lambda b: b.decode("latin-1")))
-def test_random_manifest_text_is_a_manifest_error(scratch_bundle, text):
-    """manifest.json holding arbitrary text (not JSON, or JSON of the wrong shape)."""
-    (scratch_bundle / "manifest.json").write_text(text, encoding="utf-8", errors="surrogatepass")
+@given(content=st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
+       | st.sampled_from([b"", b"\xef\xbb\xbf{}", b"null", b"[]", b'"manifest"', b"NaN", b"1e999", b"{" * 5000]))
+def test_random_manifest_bytes_are_a_manifest_error(scratch_bundle, content):
+    """manifest.json holding arbitrary bytes: not UTF-8, not JSON, or JSON of the wrong shape."""
+    (scratch_bundle / "manifest.json").write_bytes(content)
     with pytest.raises(ManifestError):
         load_manifest(scratch_bundle)
 
@@ -304,10 +305,13 @@ def test_nasty_paths_load_or_raise_a_typed_error(manifest_obj, scratch_bundle, f
     else:
         obj["files"][value] = obj["files"].pop("tokenizer_config.json")
     outcome = _outcome(parse_manifest, obj)
-    if ".." in value.replace("\\", "/").split("/") or value.startswith(("/", "\\")) or "\x00" in value:
+    if ".." in value.replace("\\", "/").split("/") or value.startswith(("/", "\\")) or "\x00" in value \
+            or any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
         assert outcome == "UnsafePathError", value
     (scratch_bundle / "manifest.json").write_text(json.dumps(obj))
     loaded = _outcome(load_manifest, scratch_bundle)
+    # JSON can change the value on the way (an escaped surrogate pair decodes to one character).
+    outcome = _outcome(parse_manifest, json.loads(json.dumps(obj)))
     if outcome != "loaded":
         assert loaded == outcome
     else:  # the manifest is well formed, but the renamed file is not on disk under that name
@@ -509,3 +513,28 @@ def test_a_max_context_too_large_to_allocate_is_a_manifest_error(manifest_obj):
     obj["models"]["target"]["max_context"] = 2 ** 40  # a 128 TiB KV cache
     with pytest.raises(ManifestError, match=r"'models.target.max_context' must be <= 1048576"):
         parse_manifest(obj)
+
+
+# --------------------------------------------------------------------------- a broken chat template
+
+
+@pytest.mark.parametrize("content, error, match, at_load", [
+    (b"\xff\xfe{{ messages }}", BundleError, r"chat template 'chat_template.jinja' is not UTF-8 text", True),
+    (b"{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", BundleError, r"chat template recurses without end", False),
+    (b"{% for m in messages %}{{ m['content'] }", SpecedgeError, r"chat template", False),
+], ids=["not-utf8", "endless-recursion", "syntax-error"])
+def test_broken_chat_template_is_a_typed_error(copy_of, content, error, match, at_load):
+    """The template's record matches, so only its content is wrong."""
+    from specedge.runtime.generator import Generator
+
+    bundle = copy_of()
+    (bundle / "chat_template.jinja").write_bytes(content)
+    _set_record(bundle, "chat_template.jinja")
+    if at_load:
+        with pytest.raises(error, match=match):
+            Generator.from_bundle(bundle, threads=1)
+        return
+    gen = Generator.from_bundle(bundle, threads=1)
+    with pytest.raises(error, match=match):
+        gen.generate("w010 w011", max_new_tokens=2)
+    assert gen.generate("w010 w011", chat=False, max_new_tokens=2).token_ids  # plain prompts still work
