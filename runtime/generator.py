@@ -270,11 +270,19 @@ class Generator:
             profile.draft_token_s = 0.0  # a lookup costs microseconds
         return profile
 
+    def _check_not_reentered(self) -> None:
+        if self._owner == threading.get_ident():
+            # _lock is not reentrant: waiting here would hang this thread forever.
+            raise SpecedgeError("this thread already has an unfinished generation on this Generator (a "
+                                "stream() not yet exhausted or closed); finish, cancel() or close() it first: "
+                                "a Generator runs one generation at a time")
+
     def tune(self, *, save: bool = False, context: int = 128) -> dict:
         """Measure this machine's step costs (target 1..max_draft_tokens+1, draft 1) and use them.
 
         ``save=True`` records them in the bundle's manifest for later runs on this machine.
         """
+        self._check_not_reentered()
         with self._lock:
             profile = cost_profile.measure(self.target, self.draft, threads=self.threads, context=context,
                                            max_verify=self.manifest.speculation.max_draft_tokens + 1)
@@ -312,11 +320,7 @@ class Generator:
         result = GenerationResult("", [], "length", state.stats, ids)
         if stream is not None:
             stream.result = result
-        if self._owner == threading.get_ident():
-            # _lock is not reentrant: waiting here would hang this thread forever.
-            raise SpecedgeError("this thread already has an unfinished generation on this Generator (a "
-                                "stream() not yet exhausted or closed); finish, cancel() or close() it first: "
-                                "a Generator runs one generation at a time")
+        self._check_not_reentered()
         pending: list[str] = []
 
         def on_block(tokens: list[int]) -> int | None:
