@@ -271,6 +271,7 @@ def plot(doc: dict, path: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise InvalidParameterError("--plot needs matplotlib: pip install 'specedge[plot]'") from None
     doc = clean(doc)
@@ -294,6 +295,11 @@ def plot(doc: dict, path: Path) -> Path:
                 k_max, cell = fixed[-1]
                 app = cell["acceptance_per_position"]
                 ax_a.plot(range(1, len(app) + 1), app, "o-", color=color, label=f"{category} (k={k_max})")
+        ks_seen = sorted({int(n.split("-k")[1]) for e in doc["workloads"].values() for n in e["configs"]
+                          if n.startswith(drafter + "-k")})
+        if ks_seen:
+            ax_s.set_xticks(ks_seen)
+        ax_a.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_s.axhline(1.0, color="grey", lw=0.8)
         ax_s.set(title=f"{drafter}: speedup vs k (dashed: adaptive)", xlabel="k (draft tokens)",
                  ylabel="speedup vs baseline")

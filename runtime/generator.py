@@ -245,8 +245,10 @@ class Generator:
             model = ModelDrafter(self.draft, sampling, p_min=config.p_min,
                                  seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv,
                                  head_ids=self.draft_head_ids, vocab_size=self.manifest.target.vocab_size)
+            # In the composite, a 1-token match is too weak to beat the model's own guess: the
+            # n-gram side needs a suffix of >= 2 tokens (a repeated phrase) to take over.
             drafter = model if name == "model" else CompositeDrafter(
-                NGramDrafter(config.max_ngram, config.min_ngram), model)
+                NGramDrafter(max(config.max_ngram, 2), max(config.min_ngram, 2)), model)
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"

@@ -331,19 +331,38 @@ def test_a_divergence_makes_the_bench_exit_non_zero(tiny, monkeypatch):
 
 def test_hf_peer_on_the_same_checkpoint_gives_our_tokens_and_absent_peers_are_skipped(tiny, tmp_path):
     pytest.importorskip("transformers")
+    # The tiny target doubles as its own HF assistant, so assisted generation must also give our tokens.
     result = _bench([str(tiny["bundle"]), "--quick", "--json", "--no-progress", "--workloads", "code,voice",
-                     "--configs", "ngram-k4", "--peers", "hf,llamacpp,nosuch", "--hf-target", str(tiny["hf"])],
+                     "--configs", "ngram-k4", "--peers", "hf,llamacpp,nosuch", "--hf-target", str(tiny["hf"]),
+                     "--hf-draft", str(tiny["hf"])],
                     env={"SPECEDGE_CACHE": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"})
     assert result.exit_code == 0, result.output
     peers = json.loads(result.stdout)["peers"]
     hf = peers["hf"]["configs"]
-    assert set(hf) == {"hf-plain", "hf-prompt-lookup"}  # a self-int4 draft has no HF checkpoint to assist with
-    assert any("assisted generation skipped" in n for n in peers["hf"]["notes"])
+    assert set(hf) == {"hf-plain", "hf-prompt-lookup", "hf-assisted"}
     for cells in hf.values():
+        assert set(cells) == {"code", "voice"}
         for cell in cells.values():
             assert cell["same_text"] == 1.0  # fp32 torch vs fp32 ORT on the same weights
-            assert cell["ratio_baseline"] is not None
+            assert cell["ratio_baseline"] is not None and cell["ratio_best"] is not None
     assert "skipped" in peers["llamacpp"] and "unknown peer" in peers["nosuch"]["skipped"]
+
+
+def test_a_self_draft_has_no_hf_checkpoint_and_gguf_sources_map_to_the_cache(tmp_path, monkeypatch):
+    from specedge.bench import peers
+
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
+    assert peers.hf_folder(None, "self-int4 of gguf:m.Q4_1.gguf") is None
+    converted = tmp_path / "converted" / "m.Q4_1-0123456789abcdef"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    assert peers.hf_folder(None, "gguf:m.Q4_1.gguf") == converted
+    gguf = tmp_path / "models" / "m" / "m.Q4_1.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF")
+    assert peers.gguf_file(None, "gguf:m.Q4_1.gguf") == gguf
+    with pytest.raises(peers.PeerSkipped, match="not an HF model folder"):
+        peers.hf_folder(str(tmp_path), "")
 
 
 def test_plot_needs_matplotlib_and_says_how_to_get_it(quick_run, tmp_path, monkeypatch):

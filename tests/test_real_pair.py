@@ -4,10 +4,12 @@
 Both GGUFs come from the catalog (1.6 GB in all, cached under $SPECEDGE_CACHE or
 ~/.cache/specedge). The export dequantizes both (cached), builds and validates two
 graphs, and needs several GB of RAM: about 10 minutes on 2 cores. Run it with
-``-m real_pair``.
+``-m real_pair``; set SPECEDGE_REAL_PAIR_BUNDLE to reuse an fp32 bundle of the pair.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -33,6 +35,9 @@ def pair_generator(tmp_path_factory):
             fetch(name, progress=False)
     except FetchError as exc:
         pytest.skip(f"cannot fetch the Qwen2.5-Coder pair: {exc}")
+    reuse = os.environ.get("SPECEDGE_REAL_PAIR_BUNDLE")  # an fp32 bundle of this pair exported earlier
+    if reuse:
+        return Generator.from_bundle(reuse)
     bundle = tmp_path_factory.mktemp("qwen-pair") / "bundle"
     export_bundle(ExportConfig(target=TARGET, draft=DRAFT, out=bundle, precision="fp32", max_context=1024,
                                quiet=True))
