@@ -2,7 +2,8 @@
 
 Names: ``baseline`` (plain decoding through the same engine), ``<drafter>-k<k>``
 (fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
-0 included), with drafter one of model, ngram, composite.
+0 included), with drafter one of model, ngram, composite; a ``-pipelined`` or ``-auto``
+suffix runs verify-while-draft (or the measured choice between it and sequential steps).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..errors import InvalidParameterError
 SPEC_DRAFTERS = ("model", "ngram", "composite")
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
 BASELINE = "baseline"
-_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))$")
+_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?$")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class BenchConfig:
     name: str
     drafter: str | None = None  # None = baseline (speculation off)
     draft_tokens: int | None = None  # fixed k; None with a drafter = adaptive
+    mode: str = "sequential"  # loop mode: sequential | pipelined | auto
 
     @property
     def speculative(self) -> bool:
@@ -39,9 +41,10 @@ class BenchConfig:
         if not self.speculative:
             return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat)
         if self.adaptive:
-            return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat)
+            return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat,
+                                    mode=self.mode)
         return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat)
+                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat, mode=self.mode)
 
 
 def parse_config_name(name: str) -> BenchConfig:
@@ -52,10 +55,10 @@ def parse_config_name(name: str) -> BenchConfig:
     if not m:
         raise InvalidParameterError(f"unknown bench configuration {name!r}; use baseline, <drafter>-k<k> or "
                                     f"<drafter>-adaptive with drafter one of {', '.join(SPEC_DRAFTERS)}")
-    drafter, k = m.group(1), m.group(3)
+    drafter, k, mode = m.group(1), m.group(3), m.group(4) or "sequential"
     if k is not None and int(k) < 1:
         raise InvalidParameterError(f"{name!r}: a fixed draft length must be >= 1 (k=0 is the baseline)")
-    return BenchConfig(name, drafter, int(k) if k is not None else None)
+    return BenchConfig(name, drafter, int(k) if k is not None else None, mode)
 
 
 def expand_configs(spec: str | None, *, has_draft: bool, max_draft_tokens: int,

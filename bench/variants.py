@@ -19,7 +19,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +94,50 @@ def step_times(entry, graph: Path, threads: int, context: int, max_n: int = 9, r
     return out
 
 
+def greedy_tokens(entry, graph: Path, prompts: list[list[int]], max_new_tokens: int, threads: int) -> list[list[int]]:
+    """The target variant's own greedy continuations (the sequences the draft must predict)."""
+    from ..engines.base import EngineOptions
+    from ..engines.ort import OrtEngine
+    from ..runtime import loop
+    from ..runtime.sampling import SamplingConfig
+
+    engine = OrtEngine(entry, graph, EngineOptions(intra_op_threads=threads))
+    kv = engine.new_cache()
+    out = []
+    for ids in prompts:
+        result = loop.LoopResult()
+        for _ in loop.run(engine, kv, np.array(ids), max_new_tokens=max_new_tokens, eos_token_ids=entry.eos_token_ids,
+                          sampling=SamplingConfig(), rng=np.random.default_rng(0), result=result):
+            pass
+        out.append(result.tokens)
+    return out
+
+
+def teacher_forced_agreement(entry, graph: Path, prompts: list[list[int]], continuations: list[list[int]],
+                             head_ids=None) -> float:
+    """Fraction of target tokens the draft's argmax predicts given the target's prefix: a per-token a."""
+    from ..engines.base import EngineOptions
+    from ..engines.ort import OrtEngine
+
+    engine = OrtEngine(entry, graph, EngineOptions())
+    hits = total = 0
+    for ids, cont in zip(prompts, continuations):
+        if not cont:
+            continue
+        seq = np.array(ids + cont, np.int64)
+        logits = engine.forward(seq[:-1], engine.new_cache(), num_logits=len(cont))
+        guess = logits.argmax(-1)
+        if head_ids is not None:
+            guess = head_ids[guess]
+        hits += int((guess == np.array(cont)).sum())
+        total += len(cont)
+    return hits / total if total else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ..bench.suite import load_suite
     from ..export.bundle import draft_head_tokens
     from ..export.loader import load_source
+    from .suite import load_suite
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -106,41 +146,62 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--targets", default=",".join(v.name for v in TARGETS))
     p.add_argument("--drafts", default=",".join(v.name for v in DRAFTS))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
-    rows: dict = {"targets": {}, "drafts": {}}
+    targets, drafts = {}, {}
 
     loaded = load_source(args.target, quiet=True)
+    tok = loaded.tokenizer
+    texts = [w.prompt for w in load_suite().select(["code", "chat", "grounded"], per_category=1)
+             if isinstance(w.prompt, str)]
+    if tok.chat_template:
+        prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)) for t in texts]
+    else:
+        prompts = [tok.encode(t)[:256] for t in texts]
+    continuations = None
     for variant in [v for v in TARGETS if v.name in args.targets.split(",")]:
-        entry, graph = build(loaded, variant, args.work / "t", args.max_context)
+        folder = args.work / f"t-{variant.name}"
+        entry, graph = build(loaded, variant, folder, args.max_context)
         t = step_times(entry, graph, args.threads, args.context)
-        rows["targets"][variant.name] = {"step_ms": t[1] * 1e3, "v": {n: t[n] / t[1] for n in t}}
+        targets[variant.name] = {"step_ms": t[1] * 1e3, "v": {n: t[n] / t[1] for n in t}}
+        if continuations is None:  # the first target variant is the reference for acceptance
+            continuations = greedy_tokens(entry, graph, prompts, args.max_new_tokens, args.threads)
         print(f"target {variant.name}: step {t[1] * 1e3:.1f} ms, v(5) {t[5] / t[1]:.2f}, v(9) {t[9] / t[1]:.2f}",
               file=sys.stderr, flush=True)
-        shutil.rmtree(args.work / "t", ignore_errors=True)
-    tokenizer = loaded.tokenizer
+        shutil.rmtree(folder, ignore_errors=True)
+    vocab = loaded.model.config.vocab_size
     del loaded
 
     draft_loaded = load_source(args.draft, quiet=True)
-    suite = load_suite()
-    prompts = [w.prompt for w in suite.select(["code", "chat"], per_category=2) if isinstance(w.prompt, str)]
     for variant in [v for v in DRAFTS if v.name in args.drafts.split(",")]:
-        head_ids = (draft_head_tokens(tokenizer, draft_loaded.model.config.vocab_size, variant.head,
-                                      draft_loaded.eos_token_ids) if variant.head else None)
-        entry, graph = build(draft_loaded, variant, args.work / "d", args.max_context, head_ids)
+        head_ids = draft_head_tokens(tok, vocab, variant.head, draft_loaded.eos_token_ids) if variant.head else None
+        folder = args.work / f"d-{variant.name}"
+        entry, graph = build(draft_loaded, variant, folder, args.max_context, head_ids)
         t = step_times(entry, graph, args.threads, args.context, max_n=1)
-        rows["drafts"][variant.name] = {"step_ms": t[1] * 1e3, "entry": entry, "graph": str(graph),
-                                        "head_ids": head_ids}
-        print(f"draft {variant.name}: step {t[1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    # Acceptance: each draft against the fp32-free reference target variant (the first one).
-    print(json.dumps({"targets": rows["targets"],
-                      "drafts": {k: {"step_ms": v["step_ms"]} for k, v in rows["drafts"].items()}}, indent=2))
+        a = teacher_forced_agreement(entry, graph, prompts, continuations, head_ids)
+        drafts[variant.name] = {"step_ms": t[1] * 1e3, "a": a}
+        print(f"draft {variant.name}: step {t[1] * 1e3:.1f} ms, teacher-forced a {a:.3f}", file=sys.stderr, flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    print("| target | draft | step ms | v(5) | v(9) | c | a | best k | predicted speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    table = []
+    for tname, trow in targets.items():
+        for dname, drow in drafts.items():
+            c = drow["step_ms"] / trow["step_ms"]
+            best = max(range(0, 9), key=lambda k: leviathan(drow["a"], k, c, trow["v"][k + 1]))
+            speed = leviathan(drow["a"], best, c, trow["v"][best + 1])
+            table.append({"target": tname, "draft": dname, "c": c, "a": drow["a"], "best_k": best,
+                          "predicted": speed})
+            print(f"| {tname} | {dname} | {trow['step_ms']:.1f} | {trow['v'][5]:.2f} | {trow['v'][9]:.2f} | "
+                  f"{c:.2f} | {drow['a']:.2f} | {best} | {speed:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps(rows, default=str, indent=2))
-    _ = prompts, replace
+        args.json.write_text(json.dumps({"targets": targets, "drafts": drafts, "table": table}, indent=2))
     return 0
 
 
