@@ -14,6 +14,7 @@ touches the target's cache.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import numpy as np
@@ -60,15 +61,17 @@ class ModelDrafter:
         self.p_min = p_min  # stop drafting when the draft's top probability falls below this
         self.cache = cache if cache is not None else engine.new_cache()
         self.cached: list[int] = []  # token id at each cached position (len == cache.length)
+        self._verified = 0  # cached[:_verified] is known to be committed history
+        self.catchup_s = 0.0  # time the last propose spent feeding missed history (prefill, probes)
         self.rng = np.random.default_rng(seed)
         self.last_top_probs: list[float] = []  # confidence of each proposed token, for stats/controllers
 
     def begin(self, prompt: np.ndarray) -> None:
+        # The draft's prefill is deferred to the first propose(): when the controller never
+        # drafts (speculation does not pay), the draft costs nothing at all.
         self.cache.reset()
         self.cached = []
-        if len(prompt) > 1:
-            # Prefill all but the last prompt token; propose() feeds the rest with the first draft step.
-            self._feed(np.asarray(prompt[:-1], np.int64))
+        self._verified = 0
 
     def _feed(self, tokens: np.ndarray) -> np.ndarray:
         logits = self.engine.forward(tokens, self.cache, num_logits=1)[-1]
@@ -78,9 +81,12 @@ class ModelDrafter:
     def _sync(self, history: np.ndarray) -> None:
         """Rewind to the longest cached prefix of ``history``, leaving >= 1 token to feed."""
         limit = min(len(self.cached), len(history) - 1)
-        keep = 0
+        # Committed history only grows within a generation, so the prefix verified last
+        # time still matches: compare only the tail (O(k) per step, not O(context)).
+        keep = min(self._verified, limit)
         while keep < limit and self.cached[keep] == history[keep]:
             keep += 1
+        self._verified = keep
         if keep < len(self.cached):
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
@@ -95,8 +101,12 @@ class ModelDrafter:
         pending = np.asarray(history[len(self.cached):], np.int64)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
+        self.catchup_s = 0.0
         for i in range(k):
+            start = time.perf_counter()
             logits = self._feed(pending)
+            if i == 0 and len(pending) > 2:  # more than the usual correction (+ last draft token)
+                self.catchup_s = time.perf_counter() - start
             if self.sampling.greedy:
                 index = int(np.argmax(logits))
                 top = _top_prob(logits) if self.p_min > 0 else 1.0
@@ -216,3 +226,7 @@ class CompositeDrafter:
     def accept(self, history: np.ndarray, n_accepted: int) -> None:
         self.ngram.accept(history, n_accepted)
         self.model.accept(history, n_accepted)
+
+    @property
+    def catchup_s(self) -> float:
+        return self.model.catchup_s if self.last_source == "model" else 0.0

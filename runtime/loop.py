@@ -166,7 +166,10 @@ class _Run:
         else:
             stats.record_step(k, drafted, accepted)
         if self.controller is not None:
-            self.controller.observe(k, drafted, accepted, draft_s, verify_s)
+            # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
+            # one-off, not a per-token draft cost: keep it out of the controller's estimate of c.
+            catchup = getattr(self.drafter, "catchup_s", 0.0) if drafted else 0.0
+            self.controller.observe(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s)
 
     def step_sequential(self, k: int) -> list[int]:
         t0 = time.perf_counter()
