@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 
@@ -131,7 +132,9 @@ def render_markdown(doc: dict) -> str:
                f", {len(s['configs'])} configurations" + (", --quick" if s.get("quick") else ""))
     step1 = costs["target_s"].get("1")
     v = costs.get("v", {})
-    out.append(f"- step costs at {costs['prompt_tokens']} cached tokens (medians of {costs['reps']}): target 1-token "
+    how = ("reps spread over the bench; v and c are medians of ratios paired within a rep"
+           if costs.get("method") == "spread" else "reps in one batch after the warm-up")
+    out.append(f"- step costs at {costs['prompt_tokens']} cached tokens ({costs['reps']} {how}): target 1-token "
                f"step {_f(step1 and step1 * 1e3, 2)} ms; v(k) " + ", ".join(f"{k}:{_f(x, 2)}" for k, x in v.items()
                                                                              if k != "0")
                + (f"; draft token {_f(costs['draft_token_s'] * 1e3, 2)} ms (c = {_f(costs['c_model'], 2)})"
@@ -285,7 +288,7 @@ def plot(doc: dict, path: Path) -> Path:
         for i, (category, entry) in enumerate(doc["workloads"].items()):
             color = f"C{i}"
             fixed = sorted((int(n.split("-k")[1]), c) for n, c in entry["configs"].items()
-                           if n.startswith(drafter + "-k"))
+                           if re.fullmatch(rf"{drafter}-k\d+", n))  # sequential fixed-k runs only
             ks = [k for k, _ in fixed]
             ax_s.plot(ks, [c["speedup"] for _, c in fixed], "o-", color=color, label=category)
             adaptive = entry["configs"].get(f"{drafter}-adaptive")
@@ -296,7 +299,7 @@ def plot(doc: dict, path: Path) -> Path:
                 app = cell["acceptance_per_position"]
                 ax_a.plot(range(1, len(app) + 1), app, "o-", color=color, label=f"{category} (k={k_max})")
         ks_seen = sorted({int(n.split("-k")[1]) for e in doc["workloads"].values() for n in e["configs"]
-                          if n.startswith(drafter + "-k")})
+                          if re.fullmatch(rf"{drafter}-k\d+", n)})
         if ks_seen:
             ax_s.set_xticks(ks_seen)
         ax_a.xaxis.set_major_locator(MaxNLocator(integer=True))
