@@ -7,9 +7,10 @@ Order of work, and why:
 2. Warm-up: every session shape once (``Generator.warmup``), then every configuration
    once on the first prompt. The adaptive controller's cost profile is learned here
    too, as it would be in a long-running server.
-3. Step costs, measured directly on the engines (medians of ``micro_reps``), at
-   the median prompt length: a target step on 1 token, on k+1 tokens, and a draft
-   token. They feed Leviathan's bound.
+3. Step costs, measured directly on the engines at the median prompt length: a
+   target step on 1 token, on k+1 tokens, and a draft token; ``micro_reps`` in all,
+   spread before each prompt's rounds so they share the runs' machine state
+   (StepCosts). They feed Leviathan's bound.
 4. For each prompt, ``repeats`` rounds; each round runs the baseline and every
    configuration once, the order reversed on odd rounds (A B C, C B A, ...), so a
    linear drift of the machine is seen equally by all. Speedup is the median of
@@ -172,39 +173,71 @@ def machine_info() -> dict:
 
 
 # ----------------------------------------------------------------------------- step costs
-def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int) -> dict:
-    """Median seconds of target forwards on n tokens (n in ``lengths``) and of a draft 1-token forward.
+class StepCosts:
+    """Step costs measured directly on the engines, spread over the bench.
 
-    Runs on the generator's own caches (the loop resets them at every call) after a
-    prefill of ``prompt_ids``, rewinding after each forward so every measurement sees
-    the same cache length. Lengths are interleaved within each repetition so drift
-    touches all of them alike; the first repetition is a discarded warm-up.
+    ``sample(reps)`` prefills ``prompt_ids`` into the generator's own caches (the loop
+    resets them at every call), then per repetition times one target forward on n
+    tokens for every n in ``lengths`` and one draft forward on 1 token, rewinding after
+    each so every measurement sees the same cache length. The bench calls it before
+    each prompt's rounds, so the costs are measured in the same periods as the runs.
+
+    ``v(k)`` and ``c`` are medians of ratios paired within one repetition (target
+    (k+1)-token step / 1-token step, draft token / target 1-token step): like the
+    speedups, they cancel the machine's drift.
     """
-    out: dict = {"prompt_tokens": len(prompt_ids), "reps": reps, "target_s": {}, "draft_token_s": None}
-    prefix = np.asarray(prompt_ids, np.int64)
-    engines = [("target", gen.target, gen.target_kv, sorted(set([1] + lengths)))]
-    if gen.draft is not None:
-        engines.append(("draft", gen.draft, gen.draft_kv, [1]))
-    for role, engine, cache, ns in engines:
-        cache.reset()
-        engine.forward(prefix, cache, num_logits=1)
-        samples: dict[int, list[float]] = {n: [] for n in ns}
-        step_ids = {n: np.asarray(prompt_ids[-n:] if n <= len(prompt_ids) else
-                                  (prompt_ids * (n // len(prompt_ids) + 1))[:n], np.int64) for n in ns}
-        for rep in range(reps + 1):
-            for n in ns:
-                t0 = time.perf_counter()
-                engine.forward(step_ids[n], cache, num_logits=n)
-                dt = time.perf_counter() - t0
-                cache.rewind(n)
-                if rep:
-                    samples[n].append(dt)
-        cache.reset()
-        if role == "target":
-            out["target_s"] = {n: metrics.median(s) for n, s in samples.items()}
-        else:
-            out["draft_token_s"] = metrics.median(samples[1])
-    return out
+
+    def __init__(self, gen, prompt_ids: list[int], lengths: list[int]) -> None:
+        self.gen = gen
+        self.prompt = np.asarray(prompt_ids, np.int64)
+        self.lengths = sorted(set([1] + list(lengths)))
+        # Step inputs: the prompt's last n tokens (the ids hardly matter, the shapes do).
+        tiled = (list(prompt_ids) * (max(self.lengths) // max(len(prompt_ids), 1) + 1))
+        self.step_ids = {n: np.asarray(tiled[-n:], np.int64) for n in self.lengths}
+        self.target: dict[int, list[float]] = {n: [] for n in self.lengths}
+        self.draft: list[float] = []
+        self.v: dict[int, list[float]] = {n - 1: [] for n in self.lengths}
+        self.c: list[float] = []
+
+    def _time(self, engine, cache, ids: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        engine.forward(ids, cache, num_logits=len(ids))
+        dt = time.perf_counter() - t0
+        cache.rewind(len(ids))
+        return dt
+
+    def sample(self, reps: int) -> None:
+        gen = self.gen
+        engines = [(gen.target, gen.target_kv)] + ([(gen.draft, gen.draft_kv)] if gen.draft is not None else [])
+        for engine, cache in engines:
+            cache.reset()
+            engine.forward(self.prompt, cache, num_logits=1)
+        self._time(gen.target, gen.target_kv, self.step_ids[1])  # the first step after a prefill is slower
+        for _ in range(reps):
+            row = {n: self._time(gen.target, gen.target_kv, self.step_ids[n]) for n in self.lengths}
+            for n, dt in row.items():
+                self.target[n].append(dt)
+                self.v[n - 1].append(dt / row[1])
+            if gen.draft is not None:
+                dt = self._time(gen.draft, gen.draft_kv, self.step_ids[1])
+                self.draft.append(dt)
+                self.c.append(dt / row[1])
+        for _, cache in engines:
+            cache.reset()
+
+    def result(self) -> dict:
+        return {"prompt_tokens": len(self.prompt), "reps": len(self.target[1]),
+                "target_s": {n: metrics.median(s) for n, s in self.target.items()},
+                "draft_token_s": metrics.median(self.draft) if self.draft else None,
+                "v": {k: metrics.median(r) for k, r in self.v.items()},
+                "c_model": metrics.median(self.c) if self.c else None}
+
+
+def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int) -> dict:
+    """One batch of step-cost measurements (see StepCosts)."""
+    costs = StepCosts(gen, prompt_ids, lengths)
+    costs.sample(reps)
+    return costs.result()
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -280,12 +313,12 @@ def bound(cell: dict, config: BenchConfig, costs: dict) -> dict:
     if not config.speculative or not step1 or not cell["drafted"]:
         return {"a": None, "c": None, "v": {}, "predicted": None, "efficiency": None}
     a = cell["acceptance_fit"]
-    if config.drafter == "model" and costs.get("draft_token_s"):
-        c = costs["draft_token_s"] / step1
+    if config.drafter == "model" and costs.get("c_model"):
+        c = costs["c_model"]
     else:
         c = (cell["seconds"]["draft"] / cell["drafted"]) / step1
     k_steps = {int(k): n for k, n in cell["k_chosen"].items()}
-    v = {k: costs["target_s"][k + 1] / step1 for k in k_steps if k and (k + 1) in costs["target_s"]}
+    v = {k: costs["v"][k] for k in k_steps if k and k in costs["v"]}
     if any(k and k not in v for k in k_steps):
         return {"a": a, "c": c, "v": v, "predicted": None, "efficiency": None}
     predicted = metrics.predicted_speedup(a, k_steps, c, v)
@@ -383,13 +416,15 @@ def run_bench(settings: BenchSettings) -> dict:
     lengths = sorted({k + 1 for k in range(1, max([spec.max_draft_tokens, *settings.k_sweep]) + 1)})
     median_len = int(np.median([len(ids) for _, ids, _ in workloads]))
     probe = next((ids for _, ids, _ in workloads if len(ids) >= median_len), ids0)[:median_len]
-    costs = measure_step_costs(gen, probe, lengths, settings.micro_reps)
+    step_costs = StepCosts(gen, probe, lengths)
+    reps_per_prompt = max(1, -(-settings.micro_reps // len(workloads)))  # ceil: micro_reps in all, at least
 
     # Interleaved rounds.
     total = len(workloads) * settings.repeats * len(configs)
     bar = Progress(total, title="specedge bench", enabled=settings.progress)
     runs: list[RunRecord] = []
     for w, ids, used_chat in workloads:
+        step_costs.sample(reps_per_prompt)
         for r in range(settings.repeats):
             order = configs if r % 2 == 0 else list(reversed(configs))
             for config in order:
@@ -400,6 +435,7 @@ def run_bench(settings: BenchSettings) -> dict:
                 bar.advance(f"{w.id} {config.name}")
     bar.close()
     rss_specedge = process_peak_rss_mb()
+    costs = step_costs.result()
 
     failures = check_outputs(runs, quantized)
     baseline = {(r.workload, r.round): r for r in runs if r.config == BASELINE}
@@ -461,12 +497,11 @@ def run_bench(settings: BenchSettings) -> dict:
         "load_s": load_s,
         "memory": {"rss_after_load_mb": rss_after_load, "rss_peak_specedge_mb": rss_specedge,
                    "rss_peak_process_mb": process_peak_rss_mb()},
-        "step_costs": {"prompt_tokens": costs["prompt_tokens"], "reps": costs["reps"],
+        "step_costs": {"prompt_tokens": costs["prompt_tokens"], "reps": costs["reps"], "method": "spread",
                        "target_s": {str(n): s for n, s in sorted(costs["target_s"].items())},
                        "draft_token_s": costs["draft_token_s"],
-                       "v": {str(n - 1): s / costs["target_s"][1] for n, s in sorted(costs["target_s"].items())},
-                       "c_model": (costs["draft_token_s"] / costs["target_s"][1]
-                                   if costs["draft_token_s"] else None)},
+                       "v": {str(k): x for k, x in sorted(costs["v"].items())},
+                       "c_model": costs["c_model"]},
         "workloads": by_category,
         "failures": failures,
         "notes": notes,

@@ -269,6 +269,9 @@ def test_quick_bench_runs_every_config_on_every_workload_without_failures(quick_
     # The micro-benchmark measured every verify length a k up to max_draft_tokens needs.
     assert set(doc["step_costs"]["target_s"]) >= {str(n) for n in range(1, 10)}
     assert doc["step_costs"]["c_model"] > 0
+    # Spread over the bench: at least one repetition before each prompt's rounds; v is paired to the 1-token step.
+    assert doc["step_costs"]["reps"] >= len(doc["settings"]["prompts"])
+    assert doc["step_costs"]["v"]["0"] == pytest.approx(1.0)
 
 
 def test_quick_bench_reports_leviathan_next_to_the_measurement(quick_run):
