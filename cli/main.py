@@ -193,6 +193,9 @@ def _generation_options(fn):
         click.option("--p-min", type=float, default=0.0, show_default=True,
                      help="Stop drafting when the draft's top probability is below this."),
         click.option("--no-speculation", is_flag=True, help="Plain decoding (the baseline)."),
+        click.option("--max-latency", type=float, default=None,
+                     help="Cap the draft length so each block commits within this many seconds "
+                     "(steady streaming for voice agents)."),
         click.option("--mode", type=click.Choice(["sequential", "pipelined", "auto"]), default="sequential",
                      show_default=True, help="pipelined = verify-while-draft (draft and target run at once); "
                      "auto = measure both and use the faster."),
@@ -212,6 +215,7 @@ def _config_from(kw: dict):
         max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
         seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
         draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], mode=kw["mode"],
+        max_latency_s=kw["max_latency"],
         chat=not kw.get("raw", False))
 
 

@@ -56,6 +56,7 @@ class GenerationConfig:
     min_ngram: int = 1  # n-gram drafter: shortest suffix to match
     chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
     mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
+    max_latency_s: float | None = None  # cap k so each block commits within this (None = no cap)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -71,6 +72,10 @@ class GenerationConfig:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got "
                                         f"{self.min_ngram}, {self.max_ngram}")
+        if self.max_latency_s is not None and not (isinstance(self.max_latency_s, (int, float))
+                                                   and self.max_latency_s > 0):
+            raise InvalidParameterError(f"max_latency_s must be a number > 0 (seconds) or None; "
+                                        f"got {self.max_latency_s!r}")
         if self.mode not in loop.MODES:
             raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
         if isinstance(self.stop, str):
@@ -343,7 +348,8 @@ class Generator:
             blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
-                              result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap)
+                              result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,
+                              max_latency_s=config.max_latency_s)
             try:
                 for _ in blocks:
                     result.text = decoder.text

@@ -87,8 +87,12 @@ class _Run:
     def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
                  drafter: Drafter | None, controller, result: LoopResult,
-                 stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP) -> None:
+                 stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP,
+                 max_latency_s: float | None = None) -> None:
         self.stop = stop
+        self.max_latency_s = max_latency_s
+        self._draft_token_s: float | None = None  # EMA of draft seconds per drafted token
+        self._verify_s: dict[int, float] = {}  # verify length -> last measured seconds
         self.near_tie = near_tie
         self.target = target
         self.kv = target_kv
@@ -139,8 +143,25 @@ class _Run:
         """Largest useful k: the verify writes k+1 positions; drafting past max_new_tokens is waste."""
         return min(self.kv.capacity - len(self.history), self.max_new_tokens - len(self.result.tokens) - 1)
 
+    def latency_limit(self) -> int:
+        """Largest k whose block is expected to commit within ``max_latency_s``.
+
+        A block's tokens reach the caller only when it commits, so a long draft delays the
+        next flush: k * (draft time per token) + verify(k+1) must stay under the bound.
+        Uses the step costs this run has measured so far (none yet: no cap).
+        """
+        if self.max_latency_s is None or self._draft_token_s is None:
+            return self.kv.capacity
+        k = 0
+        while k < 64:
+            verify = self._verify_s.get(k + 2, self._verify_s.get(max(self._verify_s, default=1), 0.0))
+            if (k + 1) * self._draft_token_s + verify > self.max_latency_s:
+                break
+            k += 1
+        return k
+
     def choose_k(self) -> int:
-        limit = self.limit()
+        limit = min(self.limit(), self.latency_limit())
         if self.drafter is None or self.controller is None or limit <= 0:
             return 0
         if self.carry is not None:
@@ -158,6 +179,10 @@ class _Run:
         stats = self.stats
         stats.draft_s += draft_s
         stats.verify_s += verify_s
+        self._verify_s[drafted + 1] = verify_s  # last measured cost of a verify of this length
+        if drafted:
+            per_token = draft_s / drafted
+            self._draft_token_s = per_token if self._draft_token_s is None else 0.8 * self._draft_token_s + 0.2 * per_token
         # EOS inside the block commits only its first `committed` tokens, all accepted draft
         # tokens: the stats count just those, so nothing past the stop is counted. The
         # controller still learns what the draft really achieved.
@@ -240,7 +265,7 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
         drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
         mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
-        near_tie: float = NEAR_TIE_GAP) -> Iterator[list[int]]:
+        near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
@@ -248,14 +273,15 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     (measured choice per step). Fills ``result`` (tokens, finish_reason, stats) as it
     goes; closing the iterator early (a cancel) leaves it consistent. ``stop(block)``
     sees each block about to commit and returns how many of its tokens to keep when the
-    run must end inside it (a stop string), else None.
+    run must end inside it (a stop string), else None. ``max_latency_s`` caps the draft
+    length so a block is expected to commit within that many seconds (voice agents).
     """
     result = result if result is not None else LoopResult()
     stats = result.stats
     stats.prompt_tokens = len(prompt)
     stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
-                 drafter, controller, result, stop, near_tie)
+                 drafter, controller, result, stop, near_tie, max_latency_s)
 
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)

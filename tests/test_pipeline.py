@@ -174,3 +174,21 @@ def test_pipelined_sampling_matches_plain_sampling_distribution(tmp_path_factory
         critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
                     36.12, 37.70][dof - 1]
         assert stat < critical, (pos, stat, dof, counts["plain"][pos], counts["pipelined"][pos])
+
+
+def test_max_latency_caps_the_draft_length_without_changing_output(gen, baseline):
+    free = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=8)
+    loose = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=8, max_latency_s=60.0)
+    tight = gen.generate(input_ids=PROMPT, max_new_tokens=60, draft_tokens=8, max_latency_s=1e-6)
+    assert free.token_ids == loose.token_ids == tight.token_ids == baseline
+    assert loose.stats.k_chosen == free.stats.k_chosen  # a bound no block reaches changes nothing
+    # After the first measured step a microsecond bound leaves no room to draft at all.
+    assert tight.stats.k_chosen.get(0, 0) >= tight.stats.steps - 1
+
+
+def test_max_latency_must_be_positive():
+    from specedge.errors import InvalidParameterError
+    from specedge.runtime.generator import GenerationConfig
+
+    with pytest.raises(InvalidParameterError, match="max_latency_s must be a number > 0"):
+        GenerationConfig(max_latency_s=0)
