@@ -198,11 +198,14 @@ class _Run:
 
     def step_sequential(self, k: int) -> list[int]:
         t0 = time.perf_counter()
-        arr = np.asarray(self.history, np.int64)
-        proposal = self._take_carry(k) or (self.drafter.propose(arr, k) if k > 0 else Proposal.empty())
+        # A plain step needs only the last token: converting the whole history to an array
+        # (O(context) per token) is paid only when a drafter reads it.
+        proposal = self._take_carry(k) or (self.drafter.propose(np.asarray(self.history, np.int64), k)
+                                           if k > 0 else Proposal.empty())
         drafted = len(proposal.tokens)
         t1 = time.perf_counter()
-        step_ids = np.concatenate([arr[-1:], proposal.tokens]) if drafted else arr[-1:]
+        last = np.array(self.history[-1:], np.int64)
+        step_ids = np.concatenate([last, proposal.tokens]) if drafted else last
         logits = self.target.forward(step_ids, self.kv, num_logits=drafted + 1)
         block, accepted = self._verify_and_commit(proposal, logits)
         t2 = time.perf_counter()
