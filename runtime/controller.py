@@ -21,10 +21,11 @@ class FixedK:
             raise InvalidParameterError(f"draft_tokens must be >= 0; got {k}")
         self.k = k
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
         return min(self.k, limit)
 
-    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float, *,
+                catchup_s: float = 0.0, catchup_tokens: int = 0) -> None:
         pass
 
 
@@ -34,13 +35,16 @@ class CostProfile:
 
     target_s: dict[int, float] = field(default_factory=dict)  # verify length n (= k+1) -> seconds
     draft_token_s: float | None = None
+    draft_catchup_token_s: float | None = None  # per token of a catch-up feed (the draft's prefill)
 
     def as_dict(self) -> dict:
-        return {"target_s": {str(n): t for n, t in sorted(self.target_s.items())}, "draft_token_s": self.draft_token_s}
+        return {"target_s": {str(n): t for n, t in sorted(self.target_s.items())},
+                "draft_token_s": self.draft_token_s, "draft_catchup_token_s": self.draft_catchup_token_s}
 
     @classmethod
     def from_dict(cls, obj: dict) -> "CostProfile":
-        return cls({int(n): float(t) for n, t in obj.get("target_s", {}).items()}, obj.get("draft_token_s"))
+        return cls({int(n): float(t) for n, t in obj.get("target_s", {}).items()}, obj.get("draft_token_s"),
+                   obj.get("draft_catchup_token_s"))
 
 
 class AdaptiveK:
@@ -64,6 +68,16 @@ class AdaptiveK:
 
     Probing: while k = 0 wins, no acceptance is observed, so every ``probe_every``
     plain steps it drafts once at the last positive k to refresh the estimates.
+
+    One-off catch-up: before a draft model can propose it must read the history it
+    has not seen (its deferred prompt prefill, or tokens committed by plain steps).
+    That cost ``C = catchup_tokens * t_catchup`` is paid once, and only the rest of
+    the reply can pay it back, so speculation starts only when
+    ``expected_remaining * (1/rate(0) - 1/rate(k)) >= C``, the time saved over the
+    tokens still expected exceeding the one-off. A probe that would pay a catch-up
+    runs only when C is at most ``PROBE_CATCHUP_SHARE`` of the plain time since the
+    last probe, which caps what exploring can cost. Without this, a 15-token voice
+    reply spent half its decode time prefilling a draft it hardly used.
     """
 
     name = "adaptive"
@@ -72,6 +86,12 @@ class AdaptiveK:
     # optimistic for memory-bound decoding, so it is tried once and then measured.
     PRIOR_VERIFY_SLOPE = 0.15
     PRIOR_ACCEPTANCE = 0.6  # optimistic start: speculation is tried before it is judged
+    # Until a catch-up is measured, a catch-up token is assumed to cost this share of a draft
+    # step: batched feeding is compute-bound where a step is memory-bound (measured here: 0.11
+    # for the int4 Qwen 0.5B at 64 tokens). Pessimistic on purpose: it only delays the start.
+    PRIOR_CATCHUP_SHARE = 0.25
+    PROBE_CATCHUP_SHARE = 0.1  # a probe's catch-up may cost at most 10% of the plain time it follows
+    USUAL_FEED = 2  # a normal step feeds the target's correction/bonus token (+ the last draft token)
 
     def __init__(self, max_k: int, *, beta: float = 0.2, probe_every: int = 16,
                  profile: CostProfile | None = None, start_k: int | None = None) -> None:
@@ -86,8 +106,10 @@ class AdaptiveK:
         self.observed = 0  # positions 0..observed-1 have had at least one outcome
         self.profile = profile or CostProfile()
         self._plain_streak = 0
+        self._plain_s_since_probe = 0.0
         self._last_positive_k = start_k if start_k else min(4, max_k)
         self.mode_s = {"speculative": 0.0, "plain": 0.0}
+        self.catchup_deferred = 0  # steps run plain because a catch-up would not have paid off
 
     # --- model ------------------------------------------------------------------
     def target_cost(self, n: int) -> float | None:
@@ -128,29 +150,66 @@ class AdaptiveK:
         t_draft = (self.profile.draft_token_s or 0.0) * k
         return self.expected_tokens(k) / (t_target + t_draft)
 
+    def catchup_cost(self, catchup_tokens: int) -> float:
+        """Seconds to feed ``catchup_tokens`` of unseen history to the draft (0 for the usual feed)."""
+        if catchup_tokens <= self.USUAL_FEED:
+            return 0.0
+        per_token = self.profile.draft_catchup_token_s
+        if per_token is None:
+            per_token = (self.profile.draft_token_s or 0.0) * self.PRIOR_CATCHUP_SHARE
+        return catchup_tokens * per_token
+
+    def catchup_pays(self, k: int, catchup_tokens: int, expected_remaining: float | None) -> bool:
+        """Whether drafting k now saves more over ``expected_remaining`` tokens than the catch-up costs."""
+        one_off = self.catchup_cost(catchup_tokens)
+        if one_off == 0.0 or expected_remaining is None:
+            return True
+        rate_plain, rate_k = self.rate(0), self.rate(k)
+        if rate_plain <= 0 or rate_k <= rate_plain:
+            return False
+        return expected_remaining * (1 / rate_plain - 1 / rate_k) >= one_off
+
     # --- protocol -----------------------------------------------------------------
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
+        """k for the next step. ``catchup_tokens``: what the drafter must feed before drafting;
+        ``expected_remaining``: tokens this reply is still expected to run (None = unknown)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
         if self.target_cost(1) is None:
             return 0  # first step: measure a plain step before judging speculation
         best = max(range(limit + 1), key=self.rate)
+        if best > 0 and not self.catchup_pays(best, catchup_tokens, expected_remaining):
+            self.catchup_deferred += 1
+            return 0  # not a k = 0 verdict on speculation itself: no probe is due for it
         if best == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:
+            probe_catchup = self.catchup_cost(catchup_tokens)
+            if self._plain_streak >= self.probe_every and \
+                    probe_catchup <= self.PROBE_CATCHUP_SHARE * self._plain_s_since_probe:
                 self._plain_streak = 0
+                self._plain_s_since_probe = 0.0
                 return min(self._last_positive_k, limit)
             return 0
         self._plain_streak = 0
+        self._plain_s_since_probe = 0.0
         self._last_positive_k = best
         return best
 
-    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float, *,
+                catchup_s: float = 0.0, catchup_tokens: int = 0) -> None:
+        """Feed back one step. ``draft_s`` excludes the catch-up, reported apart as
+        ``catchup_s`` seconds for ``catchup_tokens`` tokens."""
         b = self.beta
         n_verify = n_drafted + 1
         old = self.profile.target_s.get(n_verify)
         self.profile.target_s[n_verify] = verify_s if old is None else (1 - b) * old + b * verify_s
+        if n_drafted == 0:
+            self._plain_s_since_probe += verify_s
+        if catchup_tokens > self.USUAL_FEED and catchup_s > 0:
+            per_token = catchup_s / catchup_tokens
+            old_c = self.profile.draft_catchup_token_s
+            self.profile.draft_catchup_token_s = per_token if old_c is None else (1 - b) * old_c + b * per_token
         if n_drafted > 0:
             per_token = draft_s / n_drafted
             old_d = self.profile.draft_token_s

@@ -31,10 +31,14 @@ from . import loop
 from . import profile as cost_profile
 from .controller import AdaptiveK, CostProfile, FixedK
 from .drafters import CompositeDrafter, ModelDrafter, NGramDrafter
+from .horizon import ReplyLengths
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .text import StreamDecoder, TextCodec
 from .verify import near_tie_gap
+
+
+DEFAULT_DRAFT_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class GenerationConfig:
     chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
     mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
     max_latency_s: float | None = None  # cap k so each block commits within this (None = no cap)
+    # The draft model catches up on at most this many unseen tokens at once (its prompt prefill):
+    # longer history is bridged to the first 4 + the most recent tokens. 64 keeps a 0.5B draft's
+    # catch-up near one target step on a 2-core CPU, where a 300-token prefill cost ~10 steps
+    # and never paid back in a short reply. None = read everything (slower start, best acceptance).
+    draft_window: int | None = DEFAULT_DRAFT_WINDOW
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -76,6 +85,11 @@ class GenerationConfig:
                                                    and self.max_latency_s > 0):
             raise InvalidParameterError(f"max_latency_s must be a number > 0 (seconds) or None; "
                                         f"got {self.max_latency_s!r}")
+        if self.draft_window is not None and (isinstance(self.draft_window, bool)
+                                              or not isinstance(self.draft_window, int)
+                                              or self.draft_window <= ModelDrafter.SINK_TOKENS):
+            raise InvalidParameterError(f"draft_window must be an integer > {ModelDrafter.SINK_TOKENS} (tokens) "
+                                        f"or None; got {self.draft_window!r}")
         if self.mode not in loop.MODES:
             raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
         if isinstance(self.stop, str):
@@ -156,6 +170,7 @@ class Generator:
         self.near_tie_gap = near_tie_gap(manifest.target.precision,
                                          variance if isinstance(variance, (int, float)) else None)
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
+        self.reply_lengths = ReplyLengths()  # recent replies, to weigh a draft's catch-up against
         self._lock = threading.Lock()
         self._owner: int | None = None  # id of the thread whose generation holds _lock
         self.threads = 0  # intra-op threads the sessions were created with (0 = ORT default)
@@ -254,7 +269,8 @@ class Generator:
         else:
             model = ModelDrafter(self.draft, sampling, p_min=config.p_min,
                                  seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv,
-                                 head_ids=self.draft_head_ids, vocab_size=self.manifest.target.vocab_size)
+                                 head_ids=self.draft_head_ids, vocab_size=self.manifest.target.vocab_size,
+                                 window=config.draft_window)
             # In the composite, a 1-token match is too weak to beat the model's own guess: the
             # n-gram side needs a suffix of >= 2 tokens (a repeated phrase) to take over.
             drafter = model if name == "model" else CompositeDrafter(
@@ -280,6 +296,7 @@ class Generator:
         profile = CostProfile.from_dict(self.cost_profile)
         if drafter == "ngram":
             profile.draft_token_s = 0.0  # a lookup costs microseconds
+            profile.draft_catchup_token_s = 0.0
         return profile
 
     def _check_not_reentered(self) -> None:
@@ -349,7 +366,8 @@ class Generator:
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
                               result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,
-                              max_latency_s=config.max_latency_s)
+                              max_latency_s=config.max_latency_s,
+                              horizon=self.reply_lengths.expected_remaining)
             try:
                 for _ in blocks:
                     result.text = decoder.text
@@ -374,6 +392,9 @@ class Generator:
                                       f"{len(ids)} + {len(state.tokens)} generated)")
                 if controller is not None and hasattr(controller, "mode_s"):
                     result.stats.mode_s = dict(controller.mode_s)
+                    result.stats.catchup_deferred = controller.catchup_deferred
+                if reason != "cancelled":
+                    self.reply_lengths.record(len(state.tokens), finished=reason in ("stop", "stop_string"))
         if tail:
             yield tail
 

@@ -88,8 +88,10 @@ class _Run:
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
                  drafter: Drafter | None, controller, result: LoopResult,
                  stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP,
-                 max_latency_s: float | None = None) -> None:
+                 max_latency_s: float | None = None,
+                 horizon: Callable[[int, int], float] | None = None) -> None:
         self.stop = stop
+        self.horizon = horizon
         self.max_latency_s = max_latency_s
         self._draft_token_s: float | None = None  # EMA of draft seconds per drafted token
         self._verify_s: dict[int, float] = {}  # verify length -> last measured seconds
@@ -166,7 +168,12 @@ class _Run:
             return 0
         if self.carry is not None:
             return min(len(self.carry.tokens), limit)
-        return self.controller.choose(limit)
+        pending = getattr(self.drafter, "pending_tokens", None)
+        catchup = pending(len(self.history)) if pending is not None else 0
+        generated = len(self.result.tokens)
+        remaining = None if self.horizon is None else \
+            self.horizon(generated, self.max_new_tokens - generated)
+        return self.controller.choose(limit, catchup_tokens=catchup, expected_remaining=remaining)
 
     def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
         verdict = verify(proposal, logits, self.sampling, self.rng, self.near_tie)
@@ -194,7 +201,11 @@ class _Run:
             # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
             # one-off, not a per-token draft cost: keep it out of the controller's estimate of c.
             catchup = getattr(self.drafter, "catchup_s", 0.0) if drafted else 0.0
-            self.controller.observe(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s)
+            catchup_tokens = getattr(self.drafter, "catchup_tokens", 0) if drafted else 0
+            stats.catchup_s += catchup
+            stats.catchup_tokens += catchup_tokens
+            self.controller.observe(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s,
+                                    catchup_s=catchup, catchup_tokens=catchup_tokens)
 
     def step_sequential(self, k: int) -> list[int]:
         t0 = time.perf_counter()
@@ -268,7 +279,8 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
         drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
         mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
-        near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None) -> Iterator[list[int]]:
+        near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None,
+        horizon: Callable[[int, int], float] | None = None) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
@@ -278,13 +290,16 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     sees each block about to commit and returns how many of its tokens to keep when the
     run must end inside it (a stop string), else None. ``max_latency_s`` caps the draft
     length so a block is expected to commit within that many seconds (voice agents).
+    ``horizon(generated, budget_left)`` estimates how many more tokens this reply will
+    run; the adaptive controller weighs a draft's one-off catch-up against it (None:
+    unknown, never weighed).
     """
     result = result if result is not None else LoopResult()
     stats = result.stats
     stats.prompt_tokens = len(prompt)
     stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
-                 drafter, controller, result, stop, near_tie, max_latency_s)
+                 drafter, controller, result, stop, near_tie, max_latency_s, horizon)
 
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)

@@ -24,6 +24,7 @@ PROFILE_KEY = "cost_profile"
 # 2-core box, and the whole profile stays under ~30 s for a 1.5B int4 target.
 _REPEATS = 10
 _WARMUP = 2
+CATCHUP_PROBE_TOKENS = 64  # the default draft window: the catch-up a long prompt actually costs
 
 
 def machine_fingerprint(threads: int) -> dict:
@@ -69,6 +70,11 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
                 out["target_s"][str(n)] = _median_step(engine, kv, ids[ctx:], n)
         else:
             out["draft_token_s"] = _median_step(engine, kv, ids[ctx:], 1)
+            # A catch-up feed (the draft's deferred prefill, bounded by the draft window) costs
+            # per token far less than a step: the adaptive controller weighs it against the
+            # expected reply length before the first speculative step.
+            n = min(CATCHUP_PROBE_TOKENS, kv.capacity - ctx)
+            out["draft_catchup_token_s"] = _median_step(engine, kv, ids[ctx:], n) / n
     return out
 
 

@@ -27,6 +27,9 @@ class GenerationStats:
     mode_s: dict[str, float] = field(default_factory=dict)  # adaptive controller: seconds per mode
     pipelined_steps: int = 0  # steps whose verify ran concurrently with the next block's draft
     overlap_s: float = 0.0  # time draft and verify ran at once (counted in both draft_s and verify_s)
+    catchup_s: float = 0.0  # draft time spent reading history it had not seen (counted in draft_s)
+    catchup_tokens: int = 0  # tokens fed in those catch-ups (the draft's prefill, bounded by its window)
+    catchup_deferred: int = 0  # steps run plain because the draft's catch-up would not have paid off
 
     @property
     def acceptance(self) -> float:

@@ -3,15 +3,20 @@
 Guards: with a synthetic acceptance and fake step timings (deterministic, no
 models), k shrinks to 0 when acceptance collapses, grows back when it recovers
 (through the periodic probe), tracks the verify cost curve, and k = 0 wins when
-verifying costs more than speculation can return.
+verifying costs more than speculation can return. A draft's one-off catch-up is paid
+only when the expected rest of the reply repays it, probes that need one are spaced
+so it stays a small share of the time, and the reply-length estimate follows the
+replies on record.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.runtime.controller import AdaptiveK, CostProfile, FixedK
+from specedge.runtime.horizon import ReplyLengths
 
 
 def fake_step(controller: AdaptiveK, acceptance: float, *, step_s: float = 0.010, verify_slope: float = 0.1,
@@ -92,3 +97,92 @@ def test_invalid_controller_parameters(kwargs, match):
 def test_invalid_fixed_k():
     with pytest.raises(InvalidParameterError, match="draft_tokens must be >= 0"):
         FixedK(-1)
+
+
+# --- the draft's one-off catch-up, weighed against the expected rest of the reply ----------------
+
+def informed(alpha: float = 0.9) -> AdaptiveK:
+    """A controller that knows its costs: 10 ms step, v(k+1) = 1 + 0.1k, 2 ms draft step,
+    1 ms per catch-up token, and per-position acceptance ``alpha``."""
+    profile = CostProfile({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
+                          draft_catchup_token_s=0.001)
+    c = AdaptiveK(8, profile=profile)
+    c.alpha = [alpha] * 8
+    c.observed = 8
+    return c
+
+
+def test_a_catchup_that_the_rest_of_the_reply_cannot_repay_keeps_steps_plain():
+    c = informed()
+    best = max(range(9), key=c.rate)
+    saving = 1 / c.rate(0) - 1 / c.rate(best)  # seconds saved per token by speculating
+    one_off = 100 * 0.001
+    short, long = 0.5 * one_off / saving, 2 * one_off / saving
+    assert c.choose(8, catchup_tokens=100, expected_remaining=short) == 0
+    assert c.catchup_deferred == 1
+    assert c.choose(8, catchup_tokens=100, expected_remaining=long) == best
+    # The usual feed (the target's token + the last draft token) is no catch-up at all.
+    assert c.choose(8, catchup_tokens=2, expected_remaining=0.1) == best
+    # Unknown horizon: the catch-up is not weighed (the old behaviour).
+    assert c.choose(8, catchup_tokens=100, expected_remaining=None) == best
+
+
+def test_catchup_cost_is_learned_from_observed_catchups():
+    c = AdaptiveK(4)
+    assert c.catchup_cost(50) == 0.0  # nothing known: no draft cost either
+    c.observe(2, 2, 1, 0.004, 0.012, catchup_s=0.030, catchup_tokens=60)
+    assert c.profile.draft_catchup_token_s == pytest.approx(0.0005)
+    assert c.catchup_cost(50) == pytest.approx(0.025)
+    assert c.catchup_cost(2) == 0.0
+    c.observe(2, 2, 1, 0.004, 0.012, catchup_s=0.060, catchup_tokens=60)  # EMA, beta 0.2
+    assert c.profile.draft_catchup_token_s == pytest.approx(0.8 * 0.0005 + 0.2 * 0.001)
+
+
+def test_unmeasured_catchup_falls_back_to_a_share_of_the_draft_step():
+    c = AdaptiveK(4, profile=CostProfile({1: 0.01}, draft_token_s=0.004))
+    assert c.catchup_cost(10) == pytest.approx(10 * 0.004 * AdaptiveK.PRIOR_CATCHUP_SHARE)
+
+
+def test_probes_that_need_a_catchup_wait_until_it_is_a_small_share_of_plain_time():
+    c = informed(alpha=0.0)  # speculation never pays: only probes draft
+    c.probe_every = 4
+    one_off = c.catchup_cost(40)  # 40 ms
+    ks = []
+    for _ in range(200):
+        k = c.choose(8, catchup_tokens=40, expected_remaining=1000)
+        ks.append(k)
+        c.observe(k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    assert probes, "the controller must still probe"
+    # Each probe follows at least one_off / PROBE_CATCHUP_SHARE seconds of plain steps (10 ms each).
+    min_gap = one_off / AdaptiveK.PROBE_CATCHUP_SHARE / 0.010
+    gaps = np.diff([-1] + probes)
+    assert all(g - 1 >= min_gap for g in gaps), (gaps, min_gap)
+    # Without a catch-up the probes come every probe_every plain steps.
+    c2 = informed(alpha=0.0)
+    c2.probe_every = 4
+    ks2 = []
+    for _ in range(40):
+        k = c2.choose(8, catchup_tokens=1, expected_remaining=1000)
+        ks2.append(k)
+        c2.observe(k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
+    assert sum(k > 0 for k in ks2) >= 7
+
+
+def test_reply_lengths_estimate_the_rest_of_a_reply():
+    r = ReplyLengths()
+    assert r.expected_remaining(0, 100) == 1.0  # nothing known: what has run is expected again
+    assert r.expected_remaining(12, 100) == 12.0
+    assert r.expected_remaining(12, 5) == 5.0  # never past the budget
+    for n in (10, 12, 50):
+        r.record(n, finished=True)
+    assert r.expected_remaining(0, 100) == pytest.approx((10 + 12 + 50) / 3)
+    assert r.expected_remaining(11, 100) == pytest.approx(((12 - 11) + (50 - 11)) / 2)
+    assert r.expected_remaining(60, 100) == 60.0  # outran every reply on record
+    r.record(16, finished=False)  # cut at max_new_tokens: at least 16, counted as 32
+    assert r.expected_remaining(20, 100) == pytest.approx(((32 - 20) + (50 - 20)) / 2)
+    r.record(0, finished=True)  # an empty reply carries no information
+    assert len(r) == 4
+    for _ in range(ReplyLengths.KEEP):
+        r.record(5, finished=True)
+    assert len(r) == ReplyLengths.KEEP and r.expected_remaining(0, 100) == 5.0
