@@ -3,7 +3,8 @@
 Names: ``baseline`` (plain decoding through the same engine), ``<drafter>-k<k>``
 (fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
 0 included), with drafter one of model, ngram, composite; a ``-pipelined`` or ``-auto``
-suffix runs verify-while-draft (or the measured choice between it and sequential steps).
+suffix runs verify-while-draft (or the measured choice between it and sequential steps),
+and a ``-w<N>`` suffix sets the draft window (``-w0``: the draft reads the whole prompt).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..errors import InvalidParameterError
 SPEC_DRAFTERS = ("model", "ngram", "composite")
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
 BASELINE = "baseline"
-_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?$")
+_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?(?:-w(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class BenchConfig:
     drafter: str | None = None  # None = baseline (speculation off)
     draft_tokens: int | None = None  # fixed k; None with a drafter = adaptive
     mode: str = "sequential"  # loop mode: sequential | pipelined | auto
+    draft_window: int | None = -1  # tokens; None = the whole history, -1 = the runtime's default
 
     @property
     def speculative(self) -> bool:
@@ -36,15 +38,17 @@ class BenchConfig:
 
     def generation_config(self, max_new_tokens: int, chat: bool = True):
         """The GenerationConfig for this configuration (greedy: outputs must equal the baseline's)."""
-        from ..runtime.generator import GenerationConfig
+        from ..runtime.generator import DEFAULT_DRAFT_WINDOW, GenerationConfig
 
         if not self.speculative:
             return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat)
+        window = DEFAULT_DRAFT_WINDOW if self.draft_window == -1 else self.draft_window
         if self.adaptive:
             return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat,
-                                    mode=self.mode)
+                                    mode=self.mode, draft_window=window)
         return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat, mode=self.mode)
+                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat, mode=self.mode,
+                                draft_window=window)
 
 
 def parse_config_name(name: str) -> BenchConfig:
@@ -58,7 +62,12 @@ def parse_config_name(name: str) -> BenchConfig:
     drafter, k, mode = m.group(1), m.group(3), m.group(4) or "sequential"
     if k is not None and int(k) < 1:
         raise InvalidParameterError(f"{name!r}: a fixed draft length must be >= 1 (k=0 is the baseline)")
-    return BenchConfig(name, drafter, int(k) if k is not None else None, mode)
+    window: int | None = -1
+    if m.group(5) is not None:
+        window = int(m.group(5)) or None
+        if window is not None and window <= 4:
+            raise InvalidParameterError(f"{name!r}: a draft window must be > 4 tokens (-w0 = the whole history)")
+    return BenchConfig(name, drafter, int(k) if k is not None else None, mode, window)
 
 
 def expand_configs(spec: str | None, *, has_draft: bool, max_draft_tokens: int,

@@ -196,6 +196,10 @@ def _generation_options(fn):
         click.option("--max-latency", type=float, default=None,
                      help="Cap the draft length so each block commits within this many seconds "
                      "(steady streaming for voice agents)."),
+        click.option("--draft-window", type=click.IntRange(min=0), default=64, show_default=True,
+                     help="Most unseen tokens the draft model reads at once (its prompt prefill): longer "
+                     "history is bridged to its first 4 + most recent tokens, so a long prompt costs the draft "
+                     "little. Output is unchanged; only acceptance can drop. 0 = read everything."),
         click.option("--mode", type=click.Choice(["sequential", "pipelined", "auto"]), default="sequential",
                      show_default=True, help="pipelined = verify-while-draft (draft and target run at once); "
                      "auto = measure both and use the faster."),
@@ -215,7 +219,7 @@ def _config_from(kw: dict):
         max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
         seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
         draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], mode=kw["mode"],
-        max_latency_s=kw["max_latency"],
+        max_latency_s=kw["max_latency"], draft_window=kw["draft_window"] or None,
         chat=not kw.get("raw", False))
 
 

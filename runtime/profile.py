@@ -63,7 +63,7 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
             continue
         kv = engine.new_cache()
         ctx = min(context, kv.capacity - max_verify - 1)
-        ids = rng.integers(0, engine.vocab_size, size=ctx + max_verify).astype(np.int64)
+        ids = rng.integers(0, engine.vocab_size, size=ctx + max(max_verify, CATCHUP_PROBE_TOKENS)).astype(np.int64)
         engine.forward(ids[:ctx], kv, num_logits=1)
         if name == "target":
             for n in range(1, max_verify + 1):
@@ -73,7 +73,7 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
             # A catch-up feed (the draft's deferred prefill, bounded by the draft window) costs
             # per token far less than a step: the adaptive controller weighs it against the
             # expected reply length before the first speculative step.
-            n = min(CATCHUP_PROBE_TOKENS, kv.capacity - ctx)
+            n = max(min(CATCHUP_PROBE_TOKENS, kv.capacity - ctx - 1), 1)
             out["draft_catchup_token_s"] = _median_step(engine, kv, ids[ctx:], n) / n
     return out
 
