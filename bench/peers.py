@@ -455,7 +455,18 @@ def run_peers(settings, gen, workloads, our_runs, best: dict, log) -> dict:
     """Run every requested peer; returns {peer: {"skipped": why} | {"info", "notes", "configs", "runs"}}."""
     # Under CPU contention, OpenMP's default spin-waiting (torch, llama.cpp) collapses: measured
     # here, a 16-token torch generate went from 2 s to 20 s. Passive waiting is the peers' best case.
+    previous_policy = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return _run_peers(settings, gen, workloads, our_runs, best, log)
+    finally:  # the process (a notebook, a test session) gets its environment back
+        if previous_policy is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = previous_policy
+
+
+def _run_peers(settings, gen, workloads, our_runs, best: dict, log) -> dict:
     reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
     jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
     companions = _companions(gen, best)

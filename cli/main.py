@@ -192,6 +192,11 @@ def _generation_options(fn):
         click.option("--adaptive/--no-adaptive", default=None, help="Let the cost model choose k per step."),
         click.option("--p-min", type=float, default=0.0, show_default=True,
                      help="Stop drafting when the draft's top probability is below this."),
+        click.option("--min-ngram", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="n-gram drafter: shortest repeated suffix that may propose (1-token matches rarely "
+                     "predict the next token)."),
+        click.option("--max-ngram", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="n-gram drafter: longest suffix to match."),
         click.option("--no-speculation", is_flag=True, help="Plain decoding (the baseline)."),
         click.option("--max-latency", type=float, default=None,
                      help="Cap the draft length so each block commits within this many seconds "
@@ -220,6 +225,7 @@ def _config_from(kw: dict):
         seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
         draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], mode=kw["mode"],
         max_latency_s=kw["max_latency"], draft_window=kw["draft_window"] or None,
+        min_ngram=kw["min_ngram"], max_ngram=kw["max_ngram"],
         chat=not kw.get("raw", False))
 
 

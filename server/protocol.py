@@ -28,7 +28,8 @@ from ..runtime.generator import GenerationConfig, GenerationResult
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; greedy is temperature=0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions endpoint's documented default
 MAX_STOP_STRINGS = 16  # each stop string is searched for after every block; bound the work per block
-SPECEDGE_FIELDS = ("speculation", "drafter", "draft_tokens")  # keys of the `specedge` request extension
+# keys of the `specedge` request extension
+SPECEDGE_FIELDS = ("speculation", "drafter", "draft_tokens", "max_latency_s", "draft_window")
 
 # Parameters specedge does not implement, accepted only at the value that means "off",
 # so frameworks that always send them (Pipecat, LiveKit) work unchanged.
@@ -119,26 +120,31 @@ def _bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_parameter")
 
 
-def _int(body: dict, name: str, *, minimum: int | None = None) -> int | None:
+def _int(body: dict, name: str, *, minimum: int | None = None, where: str | None = None) -> int | None:
+    """``body[name]`` as an int (None when absent); ``where`` names it in errors (default: name)."""
     value = body.get(name)
+    where = where or name
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, f"{name} must be an integer; got {value!r}")
+        raise _bad(where, f"{where} must be an integer; got {value!r}")
     if minimum is not None and value < minimum:
-        raise _bad(name, f"{name} must be >= {minimum}; got {value}")
+        raise _bad(where, f"{where} must be >= {minimum}; got {value}")
     return value
 
 
-def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False,
+            where: str | None = None) -> float | None:
+    """``body[name]`` as a float in [low, high] (or (low, high]); None when absent."""
     value = body.get(name)
+    where = where or name
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"{name} must be a number; got {value!r}")
+        raise _bad(where, f"{where} must be a number; got {value!r}")
     if value > high or value < low or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise _bad(name, f"{name} must be in {interval}; got {value!r}")
+        raise _bad(where, f"{where} must be in {interval}; got {value!r}")
     return float(value)
 
 
@@ -220,9 +226,16 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
         if drafter in ("model", "composite") and not has_draft:
             raise _bad("specedge.drafter", f"drafter {drafter!r} needs a draft model, and none is loaded")
         out["drafter"] = drafter
-    draft_tokens = _int(ext, "draft_tokens", minimum=0)
+    draft_tokens = _int(ext, "draft_tokens", minimum=0, where="specedge.draft_tokens")
     if draft_tokens is not None:
         out["draft_tokens"] = draft_tokens
+    # A voice agent's steady-streaming bound: each block commits within this many seconds.
+    max_latency = _number(ext, "max_latency_s", 0.0, 60.0, low_open=True, where="specedge.max_latency_s")
+    if max_latency is not None:
+        out["max_latency_s"] = max_latency
+    window = _int(ext, "draft_window", minimum=0, where="specedge.draft_window")
+    if window is not None:
+        out["draft_window"] = window or None  # 0 = the draft reads the whole history
     return out
 
 
@@ -360,7 +373,11 @@ def speculation_stats(result: GenerationResult, queue_s: float = 0.0) -> dict:
             "acceptance": round(s.acceptance, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "k_chosen": {str(k): v for k, v in sorted(s.k_chosen.items())}, "steps": s.steps,
             "tokens_per_s": round(s.tokens_per_s, 2), "time_to_first_token_s": round(s.time_to_first_token_s, 5),
-            "total_s": round(s.total_s, 5), "queue_s": round(queue_s, 5)}
+            "total_s": round(s.total_s, 5), "queue_s": round(queue_s, 5),
+            # the draft's one-off catch-up (its prompt prefill, bounded by draft_window), and the
+            # steps run plain because it would not have paid off in this reply
+            "catchup_s": round(s.catchup_s, 5), "catchup_tokens": s.catchup_tokens,
+            "catchup_deferred": s.catchup_deferred}
 
 
 def completion_body(req: ParsedRequest, result: GenerationResult, queue_s: float = 0.0) -> dict:

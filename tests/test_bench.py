@@ -386,3 +386,19 @@ def test_write_results_to_a_stem(quick_run, tmp_path):
     _, doc, _ = quick_run
     md, js = write_results(doc, tmp_path / "sub" / "run.json")
     assert md == tmp_path / "sub" / "run.md" and js.is_file()
+
+
+def test_peer_runs_restore_the_omp_wait_policy(monkeypatch):
+    """The peers run with passive OpenMP waiting; the caller's environment comes back unchanged."""
+    import os
+    from types import SimpleNamespace
+
+    from specedge.bench.peers import run_peers
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    out = run_peers(SimpleNamespace(peers=("nope",)), None, [], [], {}, log=None)
+    assert "unknown peer" in out["nope"]["skipped"]
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    run_peers(SimpleNamespace(peers=()), None, [], [], {}, log=None)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

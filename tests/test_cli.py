@@ -98,6 +98,10 @@ def _generate_json(bundle, *args):
     (("-k", "3"), {"draft_tokens": 3}),
     (("--drafter", "ngram", "-k", "2"), {"drafter": "ngram", "draft_tokens": 2}),
     (("--raw",), {"chat": False}),
+    (("--drafter", "ngram", "--min-ngram", "1", "--max-ngram", "4"), {"drafter": "ngram", "min_ngram": 1,
+                                                                      "max_ngram": 4}),
+    (("-k", "2", "--draft-window", "8"), {"draft_tokens": 2, "draft_window": 8}),
+    (("-k", "2", "--draft-window", "0"), {"draft_tokens": 2, "draft_window": None}),
     (("--temperature", "0.8", "--seed", "5", "-k", "2"), {"temperature": 0.8, "seed": 5, "draft_tokens": 2}),
 ])
 def test_generate_json_equals_the_api(args, api, int4_bundle, load_generator):
@@ -149,6 +153,8 @@ def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
     (("info", "{missing}"), r"error: bundle .*missing-bundle does not exist"),
     (("generate", "{bundle}", "-p", PROMPT, "--top-p", "0"), r"error: top_p must be in \(0, 1\]"),
     (("generate", "{bundle}", "-p", PROMPT, "--max-new-tokens", "0"), r"error: max_new_tokens must be"),
+    (("generate", "{bundle}", "-p", PROMPT, "--draft-window", "3"), r"error: draft_window must be an integer > 4"),
+    (("generate", "{bundle}", "-p", PROMPT, "--min-ngram", "4"), r"error: n-gram sizes need"),
     (("generate", "{bundle}", "-p", PROMPT, "--provider", "cuda"), r"error: execution provider 'cuda'"),
     (("export", "--target", "{missing}", "--out", "{tmp}/x", "--quiet"), r"error: source .* is neither an "
                                                                         r"existing path nor a catalog model"),

@@ -22,7 +22,7 @@ from specedge.runtime.drafters import ModelDrafter
 from specedge.runtime.generator import GenerationConfig, Generator
 from specedge.runtime.sampling import SamplingConfig
 
-from test_pipeline import _chi2_homogeneity
+from distribution import assert_same_distribution, token_counts
 from tiny_models import build_model
 
 LONG_PROMPT = [int(t) for t in np.random.default_rng(4).integers(6, 290, size=40)]  # greedy runs 40 tokens, no EOS
@@ -148,22 +148,9 @@ def test_windowed_sampling_matches_plain_sampling_distribution(tmp_path_factory)
     export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
     g = Generator.from_bundle(root / "b")
     prompt = [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 6, 7]  # 12 tokens, bridged to 4 + 2 by window 6
-    runs = 400
-    counts = {}
-    for name, kw in (("plain", {"speculation": False}), ("windowed", {"draft_tokens": 2, "draft_window": 6})):
-        c = np.zeros((3, 16), int)
-        for seed in range(runs):
-            toks = g.generate(input_ids=prompt, max_new_tokens=4, temperature=1.0, seed=seed, **kw).token_ids
-            for pos in range(1, 4):
-                if pos < len(toks):
-                    c[pos - 1, toks[pos]] += 1
-        counts[name] = c
-    for pos in range(3):
-        stat, dof = _chi2_homogeneity(counts["plain"][pos], counts["windowed"][pos])
-        # chi-square critical values at p = 0.001 for dof 1..15 (a false alarm 1 run in 1000).
-        critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
-                    36.12, 37.70][dof - 1]
-        assert stat < critical, (pos, stat, dof, counts["plain"][pos], counts["windowed"][pos])
+    plain = token_counts(g, prompt, 400, 16, speculation=False)
+    windowed = token_counts(g, prompt, 400, 16, draft_tokens=2, draft_window=6)
+    assert_same_distribution(plain, windowed)
 
 
 @pytest.mark.parametrize("window", [0, 4, -1, 2.5, True])

@@ -21,6 +21,7 @@ from specedge.runtime.generator import Generator
 from specedge.runtime.sampling import SamplingConfig
 from specedge.runtime.verify import Proposal
 
+from distribution import assert_same_distribution, token_counts
 from tiny_models import build_model
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13]
@@ -140,17 +141,6 @@ def committed_rows(kv, buf, n):
     return buf[:n] if kv.layout == "position-major" else buf[0, :, :n]
 
 
-def _chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
-    keep = (a + b) >= 10  # pool sparse bins: the chi-square approximation needs expected counts >= 5
-    a = np.append(a[keep], a[~keep].sum())
-    b = np.append(b[keep], b[~keep].sum())
-    if a[-1] + b[-1] == 0:
-        a, b = a[:-1], b[:-1]
-    table = np.stack([a, b]).astype(float)
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    return float(((table - expected) ** 2 / expected).sum()), len(a) - 1
-
-
 def test_pipelined_sampling_matches_plain_sampling_distribution(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipe-sampling")
     target = build_model(root / "t", "llama", seed=21, vocab_size=16)
@@ -158,22 +148,9 @@ def test_pipelined_sampling_matches_plain_sampling_distribution(tmp_path_factory
     export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
     g = Generator.from_bundle(root / "b")
     prompt = [6, 7, 8]
-    runs = 500
-    counts = {}
-    for name, kw in (("plain", {"speculation": False}), ("pipelined", {"draft_tokens": 2, "mode": "pipelined"})):
-        c = np.zeros((3, 16), int)
-        for seed in range(runs):
-            toks = g.generate(input_ids=prompt, max_new_tokens=4, temperature=1.0, seed=seed, **kw).token_ids
-            for pos in range(1, 4):
-                if pos < len(toks):
-                    c[pos - 1, toks[pos]] += 1
-        counts[name] = c
-    for pos in range(3):
-        stat, dof = _chi2_homogeneity(counts["plain"][pos], counts["pipelined"][pos])
-        # chi-square critical values at p = 0.001 for dof 1..15 (a false alarm 1 run in 1000).
-        critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
-                    36.12, 37.70][dof - 1]
-        assert stat < critical, (pos, stat, dof, counts["plain"][pos], counts["pipelined"][pos])
+    plain = token_counts(g, prompt, 500, 16, speculation=False)
+    pipelined = token_counts(g, prompt, 500, 16, draft_tokens=2, mode="pipelined")
+    assert_same_distribution(plain, pipelined)
 
 
 def test_max_latency_caps_the_draft_length_without_changing_output(gen, baseline):

@@ -272,6 +272,16 @@ def test_seeded_sampling_equals_generate(served, gen):
     assert set(got.model_extra["specedge"]["k_chosen"]) <= {"3", "2", "1"}  # k shrinks only near max_tokens
 
 
+def test_latency_cap_and_draft_window_per_request(served, gen):
+    messages = _chat("t90 t91")
+    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0)
+    got = served.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0,
+        extra_body={"specedge": {"max_latency_s": 0.5, "draft_window": 8, "draft_tokens": 4}})
+    assert got.choices[0].message.content == want.text
+    assert got.model_extra["specedge"]["catchup_tokens"] <= 8
+
+
 def test_speculation_off_per_request(served, gen):
     messages = _chat("t70 t71")
     want = gen.generate(messages=messages, max_new_tokens=30, temperature=0)
@@ -472,6 +482,11 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
      "messages[0].content[0]"),
     ({"specedge": {"k": 3}}, "specedge.k"),
     ({"specedge": {"drafter": "magic"}}, "specedge.drafter"),
+    ({"specedge": {"draft_tokens": -1}}, "specedge.draft_tokens"),
+    ({"specedge": {"max_latency_s": 0}}, "specedge.max_latency_s"),
+    ({"specedge": {"max_latency_s": "fast"}}, "specedge.max_latency_s"),
+    ({"specedge": {"draft_window": 3}}, None),  # valid int, refused by GenerationConfig (> 4)
+    ({"specedge": {"draft_window": 1.5}}, "specedge.draft_window"),
 ])
 def test_bad_chat_parameters_are_400(served, change, param):
     body = {"model": MODEL, "messages": _chat("t10"), "max_tokens": 4} | change
