@@ -8,7 +8,8 @@ Guards:
 - greedy output with a tiny window equals plain greedy (fixed k and adaptive), and the
   catch-up never feeds more than the window;
 - sampling with a window keeps the target's distribution (chi-square homogeneity);
-- an invalid window is refused with a clear message before anything runs.
+- an invalid window is refused with a clear message before anything runs;
+- adaptive speculation never runs the draft when its catch-up cannot pay off.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.export.bundle import ExportConfig, export_bundle
+from specedge.runtime.controller import CostProfile
 from specedge.runtime.drafters import ModelDrafter
+from specedge.runtime.horizon import ReplyLengths
 from specedge.runtime.generator import GenerationConfig, Generator
 from specedge.runtime.sampling import SamplingConfig
 
@@ -159,3 +162,23 @@ def test_invalid_window_is_refused(gen, window):
         GenerationConfig(draft_window=window)
     with pytest.raises(InvalidParameterError, match="draft_window must be an integer > 4"):
         ModelDrafter(gen.draft, SamplingConfig(), window=window)
+
+
+def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
+    """Adaptive speculation on a short expected reply: the controller weighs the draft's
+    catch-up against the rest of the reply and stays plain, so the draft never runs."""
+    saved_profiles, saved_lengths = dict(gen._profiles), gen.reply_lengths
+    try:
+        gen._profiles.clear()
+        gen._profiles["model"] = CostProfile({n: 0.001 * n for n in range(1, 10)}, draft_token_s=0.0001,
+                                             draft_catchup_token_s=1.0)  # a catch-up token costs 1 s
+        gen.reply_lengths = ReplyLengths()
+        out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=None, adaptive=True)
+        assert out.token_ids == baseline
+        assert out.stats.drafted == 0 and out.stats.catchup_tokens == 0
+        assert out.stats.catchup_deferred > 0
+        assert len(gen.reply_lengths) == 1  # this reply is on record for the next one
+    finally:
+        gen._profiles.clear()
+        gen._profiles.update(saved_profiles)
+        gen.reply_lengths = saved_lengths
