@@ -94,7 +94,10 @@ class AdaptiveK:
     USUAL_FEED = 2  # a normal step feeds the target's correction/bonus token (+ the last draft token)
 
     def __init__(self, max_k: int, *, beta: float = 0.2, probe_every: int = 16,
-                 profile: CostProfile | None = None, start_k: int | None = None) -> None:
+                 profile: CostProfile | None = None, start_k: int | None = None,
+                 acceptance: list[float] | None = None, observed: int = 0) -> None:
+        """``acceptance``/``observed``: per-position estimates to start from (the previous
+        reply's, so the first catch-up is judged on what drafts achieved, not on a prior)."""
         if max_k < 0:
             raise InvalidParameterError(f"max_draft_tokens must be >= 0; got {max_k}")
         if not 0 < beta <= 1:
@@ -104,6 +107,10 @@ class AdaptiveK:
         self.probe_every = probe_every
         self.alpha = [self.PRIOR_ACCEPTANCE] * max_k
         self.observed = 0  # positions 0..observed-1 have had at least one outcome
+        if acceptance:
+            carried = [min(max(float(a), 0.0), 1.0) for a in acceptance[:max_k]]
+            self.alpha[:len(carried)] = carried
+            self.observed = min(observed, len(carried))
         self.profile = profile or CostProfile()
         self._plain_streak = 0
         self._plain_s_since_probe = 0.0

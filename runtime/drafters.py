@@ -67,12 +67,7 @@ class ModelDrafter:
     def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
                  cache=None, head_ids: np.ndarray | None = None, vocab_size: int | None = None,
                  window: int | None = None) -> None:
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window <= self.SINK_TOKENS):
-            from ..errors import InvalidParameterError
-
-            raise InvalidParameterError(f"draft_window must be an integer > {self.SINK_TOKENS} (tokens) or None; "
-                                        f"got {window!r}")
+        self.check_window(window)
         self.engine = engine
         self.window = window  # most tokens fed to catch up in one go (None = everything)
         # A vocabulary-truncated draft head scores only head_ids (int64 [head_size]); proposals stay
@@ -92,6 +87,16 @@ class ModelDrafter:
         self.catchup_tokens = 0  # tokens that feed held (0 when it was the usual 1-2)
         self.rng = np.random.default_rng(seed)
         self.last_top_probs: list[float] = []  # confidence of each proposed token, for stats/controllers
+
+    @classmethod
+    def check_window(cls, window: int | None) -> None:
+        """Refuse a draft window that could not hold the sink tokens plus one recent token."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window <= cls.SINK_TOKENS):
+            from ..errors import InvalidParameterError
+
+            raise InvalidParameterError(f"draft_window must be an integer > {cls.SINK_TOKENS} (tokens) or None; "
+                                        f"got {window!r}")
 
     def begin(self, prompt: np.ndarray) -> None:
         # The draft's prefill is deferred to the first propose(): when the controller never

@@ -90,11 +90,7 @@ class GenerationConfig:
                                                    and self.max_latency_s > 0):
             raise InvalidParameterError(f"max_latency_s must be a number > 0 (seconds) or None; "
                                         f"got {self.max_latency_s!r}")
-        if self.draft_window is not None and (isinstance(self.draft_window, bool)
-                                              or not isinstance(self.draft_window, int)
-                                              or self.draft_window <= ModelDrafter.SINK_TOKENS):
-            raise InvalidParameterError(f"draft_window must be an integer > {ModelDrafter.SINK_TOKENS} (tokens) "
-                                        f"or None; got {self.draft_window!r}")
+        ModelDrafter.check_window(self.draft_window)
         if self.mode not in loop.MODES:
             raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
         if isinstance(self.stop, str):
@@ -175,6 +171,10 @@ class Generator:
         self.near_tie_gap = near_tie_gap(manifest.target.precision,
                                          variance if isinstance(variance, (int, float)) else None)
         self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
+        # Learned per-position acceptance per drafter, kept across calls: a deployment's drafts meet
+        # similar text from one reply to the next, so the next reply's first (costly) catch-up is
+        # judged on what drafting achieved last time rather than on an optimistic prior.
+        self._acceptance: dict[str, tuple[list[float], int]] = {}
         self.reply_lengths = ReplyLengths()  # recent replies, to weigh a draft's catch-up against
         self._lock = threading.Lock()
         self._owner: int | None = None  # id of the thread whose generation holds _lock
@@ -288,7 +288,9 @@ class Generator:
             profile = self._profiles.get(name)
             if profile is None:
                 profile = self._profiles[name] = self._initial_profile(name)
-            controller = AdaptiveK(max_k, profile=profile, start_k=config.draft_tokens or spec.draft_tokens)
+            alpha, observed = self._acceptance.get(name, (None, 0))
+            controller = AdaptiveK(max_k, profile=profile, start_k=config.draft_tokens or spec.draft_tokens,
+                                   acceptance=alpha, observed=observed)
         else:
             k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
             controller = FixedK(k)
@@ -398,6 +400,8 @@ class Generator:
                 if controller is not None and hasattr(controller, "mode_s"):
                     result.stats.mode_s = dict(controller.mode_s)
                     result.stats.catchup_deferred = controller.catchup_deferred
+                    if controller.observed:  # keyed like _profiles: the drafter's name
+                        self._acceptance[drafter.name] = (list(controller.alpha), controller.observed)
                 if reason != "cancelled":
                     self.reply_lengths.record(len(state.tokens), finished=reason in ("stop", "stop_string"))
         if tail:

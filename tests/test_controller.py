@@ -186,3 +186,15 @@ def test_reply_lengths_estimate_the_rest_of_a_reply():
     for _ in range(ReplyLengths.KEEP):
         r.record(5, finished=True)
     assert len(r) == ReplyLengths.KEEP and r.expected_remaining(0, 100) == 5.0
+
+
+def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
+    """The first catch-up is judged on what drafting achieved last time, not on the prior."""
+    profile = CostProfile({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
+                          draft_catchup_token_s=0.001)
+    fresh = AdaptiveK(8, profile=profile)
+    assert fresh.choose(8, catchup_tokens=64, expected_remaining=200) > 0  # the 0.6 prior pays for it
+    poor = AdaptiveK(8, profile=profile, acceptance=[0.15] * 8, observed=8)
+    assert poor.choose(8, catchup_tokens=64, expected_remaining=200) == 0
+    odd = AdaptiveK(4, acceptance=[1.5, -0.2, 0.5, 0.5, 0.5, 0.5], observed=9)
+    assert odd.alpha == [1.0, 0.0, 0.5, 0.5] and odd.observed == 4  # clamped, cut to max_k

@@ -167,8 +167,9 @@ def test_invalid_window_is_refused(gen, window):
 def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
     """Adaptive speculation on a short expected reply: the controller weighs the draft's
     catch-up against the rest of the reply and stays plain, so the draft never runs."""
-    saved_profiles, saved_lengths = dict(gen._profiles), gen.reply_lengths
+    saved_profiles, saved_lengths, saved_acceptance = dict(gen._profiles), gen.reply_lengths, gen._acceptance
     try:
+        gen._acceptance = {}  # the optimistic prior: only the catch-up's cost can keep it plain
         gen._profiles.clear()
         gen._profiles["model"] = CostProfile({n: 0.001 * n for n in range(1, 10)}, draft_token_s=0.0001,
                                              draft_catchup_token_s=1.0)  # a catch-up token costs 1 s
@@ -182,3 +183,4 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         gen._profiles.clear()
         gen._profiles.update(saved_profiles)
         gen.reply_lengths = saved_lengths
+        gen._acceptance = saved_acceptance
