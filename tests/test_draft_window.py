@@ -171,8 +171,10 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
     try:
         gen._acceptance = {}  # the optimistic prior: only the catch-up's cost can keep it plain
         gen._profiles.clear()
-        gen._profiles["model"] = CostProfile({n: 0.001 * n for n in range(1, 10)}, draft_token_s=0.0001,
-                                             draft_catchup_token_s=1.0)  # a catch-up token costs 1 s
+        # A nearly flat verify and a free draft step (speculation pays from the first step at the
+        # prior acceptance), but a catch-up token costs 1 s.
+        flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
+        gen._profiles["model"] = CostProfile(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
         gen.reply_lengths = ReplyLengths()
         out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=None, adaptive=True)
         assert out.token_ids == baseline
