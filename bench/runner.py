@@ -14,7 +14,9 @@ Order of work, and why:
 4. For each prompt, ``repeats`` rounds; each round runs the baseline and every
    configuration once, the order reversed on odd rounds (A B C, C B A, ...), so a
    linear drift of the machine is seen equally by all. Speedup is the median of
-   each round's paired ratio to that round's baseline.
+   each round's paired ratio to that round's baseline. At each new workload the
+   Generator forgets what earlier replies taught it (draft acceptance, reply lengths;
+   ``Generator.forget_replies``), so each workload is scored as its own deployment.
 5. Every speculative output is compared with the prompt's first baseline output,
    token by token; baseline repeats are compared too (they must be deterministic).
 """
@@ -423,7 +425,13 @@ def run_bench(settings: BenchSettings) -> dict:
     total = len(workloads) * settings.repeats * len(configs)
     bar = Progress(total, title="specedge bench", enabled=settings.progress)
     runs: list[RunRecord] = []
+    category = None
     for w, ids, used_chat in workloads:
+        if w.category != category:
+            # Each workload is scored as its own deployment: what the Generator learned from
+            # another kind of traffic (draft acceptance, reply lengths) would mislead it here.
+            gen.forget_replies()
+            category = w.category
         step_costs.sample(reps_per_prompt)
         for r in range(settings.repeats):
             order = configs if r % 2 == 0 else list(reversed(configs))

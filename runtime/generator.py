@@ -313,6 +313,13 @@ class Generator:
                                 "stream() not yet exhausted or closed); finish, cancel() or close() it first: "
                                 "a Generator runs one generation at a time")
 
+    def forget_replies(self) -> None:
+        """Forget what recent replies taught the adaptive controller (draft acceptance, reply
+        lengths), e.g. when this Generator starts serving another kind of traffic. Measured
+        step costs are kept: they belong to the machine, not to the text."""
+        self._acceptance.clear()
+        self.reply_lengths = ReplyLengths()
+
     def tune(self, *, save: bool = False, context: int = 128) -> dict:
         """Measure this machine's step costs (target 1..max_draft_tokens+1, draft 1) and use them.
 

@@ -198,3 +198,11 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
     assert poor.choose(8, catchup_tokens=64, expected_remaining=200) == 0
     odd = AdaptiveK(4, acceptance=[1.5, -0.2, 0.5, 0.5, 0.5, 0.5], observed=9)
     assert odd.alpha == [1.0, 0.0, 0.5, 0.5] and odd.observed == 4  # clamped, cut to max_k
+
+
+def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(self_spec_bundle, load_generator):
+    gen = load_generator(self_spec_bundle)
+    gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # adaptive, the bundle default
+    assert len(gen.reply_lengths) >= 1 and gen._acceptance and gen._profiles
+    gen.forget_replies()
+    assert len(gen.reply_lengths) == 0 and not gen._acceptance and gen._profiles
