@@ -268,7 +268,8 @@ def write_results(doc: dict, out: Path) -> tuple[Path, Path]:
 
 # ----------------------------------------------------------------------------- plot
 def plot(doc: dict, path: Path) -> Path:
-    """Speedup vs k per workload (one panel per drafter) and acceptance per draft position."""
+    """Top: speedup of every configuration per workload (bars). Per drafter: speedup vs k
+    (fixed-k sweep, dashed: adaptive) and acceptance per draft position."""
     try:
         import matplotlib
 
@@ -282,34 +283,43 @@ def plot(doc: dict, path: Path) -> Path:
                 if any(n.startswith(d + "-") for n in doc["settings"]["configs"])]
     if not drafters:
         raise InvalidParameterError("--plot needs at least one speculative configuration")
-    fig, axes = plt.subplots(2, len(drafters), figsize=(5 * len(drafters), 8), squeeze=False)
+    fig = plt.figure(figsize=(max(5 * len(drafters), 10), 12))
+    grid = fig.add_gridspec(3, len(drafters), height_ratios=[1.1, 1, 1])
+    _plot_speedup_bars(fig.add_subplot(grid[0, :]), doc)
     for col, drafter in enumerate(drafters):
-        ax_s, ax_a = axes[0][col], axes[1][col]
+        ax_s, ax_a = fig.add_subplot(grid[1, col]), fig.add_subplot(grid[2, col])
+        ks_seen = sorted({int(n.split("-k")[1]) for e in doc["workloads"].values() for n in e["configs"]
+                          if re.fullmatch(rf"{drafter}-k\d+", n)})
         for i, (category, entry) in enumerate(doc["workloads"].items()):
             color = f"C{i}"
             fixed = sorted((int(n.split("-k")[1]), c) for n, c in entry["configs"].items()
                            if re.fullmatch(rf"{drafter}-k\d+", n))  # sequential fixed-k runs only
-            ks = [k for k, _ in fixed]
-            ax_s.plot(ks, [c["speedup"] for _, c in fixed], "o-", color=color, label=category)
+            ax_s.plot([k for k, _ in fixed], [c["speedup"] for _, c in fixed], "o-", color=color, label=category)
             adaptive = entry["configs"].get(f"{drafter}-adaptive")
             if adaptive and adaptive["speedup"] is not None:
                 ax_s.axhline(adaptive["speedup"], color=color, ls="--", lw=1)
-            if fixed:
-                k_max, cell = fixed[-1]
-                app = cell["acceptance_per_position"]
-                ax_a.plot(range(1, len(app) + 1), app, "o-", color=color, label=f"{category} (k={k_max})")
-        ks_seen = sorted({int(n.split("-k")[1]) for e in doc["workloads"].values() for n in e["configs"]
-                          if re.fullmatch(rf"{drafter}-k\d+", n)})
+            # Acceptance per position from the longest fixed k, else from the adaptive run.
+            source, label = (fixed[-1][1], f"k={fixed[-1][0]}") if fixed else (adaptive, "adaptive")
+            app = (source or {}).get("acceptance_per_position") or []
+            if app:
+                ax_a.plot(range(1, len(app) + 1), app, "o-", color=color, label=f"{category} ({label})")
         if ks_seen:
             ax_s.set_xticks(ks_seen)
+        else:
+            ax_s.set_xticks([])
+            ax_s.text(0.5, 0.06, "no fixed-k runs: dashed lines are adaptive k", transform=ax_s.transAxes,
+                      ha="center", fontsize=8, color="grey")
         ax_a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        deepest = max((len(line.get_xdata()) for line in ax_a.lines), default=1)
+        ax_a.set_xlim(0.5, deepest + 0.5)  # a single position would otherwise get a fractional axis
         ax_s.axhline(1.0, color="grey", lw=0.8)
         ax_s.set(title=f"{drafter}: speedup vs k (dashed: adaptive)", xlabel="k (draft tokens)",
                  ylabel="speedup vs baseline")
         ax_a.set(title=f"{drafter}: acceptance per draft position", xlabel="draft position",
                  ylabel="P(accepted up to here)", ylim=(0, 1.05))
         ax_s.legend(fontsize=8)
-        ax_a.legend(fontsize=8)
+        if ax_a.lines:
+            ax_a.legend(fontsize=8)
     fig.suptitle(f"specedge bench: {doc['bundle']['name']} ({doc['date']})")
     fig.tight_layout()
     path = Path(path)
@@ -317,3 +327,22 @@ def plot(doc: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_speedup_bars(ax, doc: dict) -> None:
+    """Grouped bars: median paired speedup of each configuration, per workload."""
+    categories = list(doc["workloads"])
+    configs = [n for n in doc["settings"]["configs"] if n != BASELINE]
+    width = 0.8 / max(len(configs), 1)
+    for j, name in enumerate(configs):
+        values = [doc["workloads"][c]["configs"].get(name, {}).get("speedup") for c in categories]
+        xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(categories))]
+        heights = [v if v is not None else 0.0 for v in values]
+        bars = ax.bar(xs, heights, width, label=name, color=f"C{j}")
+        for bar, v in zip(bars, values):
+            if v is not None:
+                ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set(title="speedup over plain decoding (median of paired rounds; 1.0 = the baseline)", ylabel="speedup")
+    ax.legend(fontsize=7, ncol=min(len(configs), 6))

@@ -382,6 +382,25 @@ def test_plot_draws_speedup_vs_k_and_acceptance_per_position(quick_run, tmp_path
     assert path.stat().st_size > 1000
 
 
+def test_plot_bars_are_the_reported_speedups(quick_run):
+    """The picture shows the table's numbers: one bar per (configuration, workload), its height
+    the median paired speedup from the results document."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specedge.bench.report import _plot_speedup_bars, clean
+
+    _, doc, _ = quick_run
+    doc = clean(doc)
+    fig, ax = plt.subplots()
+    _plot_speedup_bars(ax, doc)
+    configs = [n for n in doc["settings"]["configs"] if n != "baseline"]
+    expected = [doc["workloads"][c]["configs"][n]["speedup"] or 0.0 for n in configs for c in doc["workloads"]]
+    assert [round(b.get_height(), 9) for b in ax.patches] == [round(v, 9) for v in expected]
+    plt.close(fig)
+
+
 def test_write_results_to_a_stem(quick_run, tmp_path):
     _, doc, _ = quick_run
     md, js = write_results(doc, tmp_path / "sub" / "run.json")
