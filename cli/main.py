@@ -241,7 +241,9 @@ def _stats_line(result) -> str:
     s = result.stats
     return (f"{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, TTFT {s.time_to_first_token_s * 1e3:.0f} ms, "
             f"drafter {s.drafter}, acceptance {s.acceptance:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
-            f"k chosen {dict(sorted(s.k_chosen.items()))}, finish {result.finish_reason}")
+            f"k chosen {dict(sorted(s.k_chosen.items()))}, draft catch-up {s.catchup_tokens} tokens in "
+            f"{s.catchup_s * 1e3:.0f} ms ({s.catchup_deferred} steps kept plain to avoid one), "
+            f"finish {result.finish_reason}")
 
 
 @main.command()

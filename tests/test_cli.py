@@ -10,6 +10,7 @@ never a traceback.
 from __future__ import annotations
 
 import json
+import re
 
 import click
 import pytest
@@ -130,6 +131,7 @@ def test_generate_plain_stream_and_stats(int4_bundle, load_generator):
                        "--threads", "1")
     assert streamed.exit_code == 0 and streamed.stdout == expected + "\n"
     assert "10 tokens" in streamed.stderr and "finish length" in streamed.stderr
+    assert re.search(r"draft catch-up \d+ tokens in \d+ ms \(\d+ steps kept plain", streamed.stderr)
 
 
 def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
