@@ -421,3 +421,15 @@ def test_peer_runs_restore_the_omp_wait_policy(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     run_peers(SimpleNamespace(peers=()), None, [], [], {}, log=None)
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_draft_window_suffix_names_a_window():
+    """``-w<N>`` sets the draft window (``-w0``: the whole history); without it, the runtime default."""
+    from specedge.runtime.generator import DEFAULT_DRAFT_WINDOW
+
+    assert parse_config_name("model-adaptive-w0").generation_config(16).draft_window is None
+    assert parse_config_name("model-k2-w16").generation_config(16).draft_window == 16
+    assert parse_config_name("composite-k2-pipelined-w32").mode == "pipelined"
+    assert parse_config_name("model-k2").generation_config(16).draft_window == DEFAULT_DRAFT_WINDOW
+    with pytest.raises(InvalidParameterError, match="a draft window must be > 4 tokens"):
+        parse_config_name("model-k2-w3")
