@@ -201,9 +201,8 @@ class AdaptiveK:
             return 0  # not a k = 0 verdict on speculation itself: no probe is due for it
         if best == 0:
             self._plain_streak += 1
-            probe_catchup = self.catchup_cost(catchup_tokens)
             if self._plain_streak >= self.probe_every and \
-                    probe_catchup <= self.PROBE_CATCHUP_SHARE * self._plain_s_since_probe:
+                    self.catchup_cost(catchup_tokens) <= self.PROBE_CATCHUP_SHARE * self._plain_s_since_probe:
                 self._plain_streak = 0
                 self._plain_s_since_probe = 0.0
                 return min(self._last_positive_k, limit)

@@ -132,11 +132,10 @@ class ModelDrafter:
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
 
-    def pending_tokens(self, history: np.ndarray | int) -> int:
-        """How many tokens the next ``propose`` feeds before its first draft token
-        (an upper bound: a rejected tail it rewinds first is not counted)."""
-        length = history if isinstance(history, int) else len(history)
-        missing = max(length - len(self.cached) - self._skipped, 1)
+    def pending_tokens(self, history_length: int) -> int:
+        """How many tokens the next ``propose`` on a history of this length feeds before its
+        first draft token (an upper bound: a rejected tail it rewinds first is not counted)."""
+        missing = max(history_length - len(self.cached) - self._skipped, 1)
         return missing if self.window is None else min(missing, self.window)
 
     def _bridge(self, history: np.ndarray) -> int:
@@ -293,8 +292,8 @@ class CompositeDrafter:
         self.ngram.accept(history, n_accepted)
         self.model.accept(history, n_accepted)
 
-    def pending_tokens(self, history: np.ndarray | int) -> int:
-        return self.model.pending_tokens(history)
+    def pending_tokens(self, history_length: int) -> int:
+        return self.model.pending_tokens(history_length)
 
     @property
     def catchup_s(self) -> float:

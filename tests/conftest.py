@@ -109,3 +109,17 @@ def bundle_copy(tmp_path) -> Callable[[Path], Path]:
         return Path(shutil.copytree(bundle, tmp_path / f"copy-{bundle.name}"))
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def sampling_pair(tmp_path_factory):
+    """A 16-token-vocabulary llama target with a perturbed draft (disagrees often, not always),
+    small enough for the chi-square tests' thousands of seeded samples."""
+    from specedge.export.bundle import ExportConfig, export_bundle
+    from specedge.runtime.generator import Generator
+
+    root = tmp_path_factory.mktemp("sampling-pair")
+    target = build_model(root / "t", "llama", seed=21, vocab_size=16)
+    draft = build_model(root / "d", "llama", seed=22, vocab_size=16, perturb=(target, 0.5))
+    export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
+    return Generator.from_bundle(root / "b")

@@ -144,12 +144,8 @@ def test_windowed_self_speculation_still_accepts_most_tokens(tmp_path_factory):
     assert windowed.stats.catchup_tokens == 8
 
 
-def test_windowed_sampling_matches_plain_sampling_distribution(tmp_path_factory):
-    root = tmp_path_factory.mktemp("window-sampling")
-    target = build_model(root / "t", "llama", seed=21, vocab_size=16)
-    draft = build_model(root / "d", "llama", seed=22, vocab_size=16, perturb=(target, 0.5))
-    export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
-    g = Generator.from_bundle(root / "b")
+def test_windowed_sampling_matches_plain_sampling_distribution(sampling_pair):
+    g = sampling_pair
     prompt = [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 6, 7]  # 12 tokens, bridged to 4 + 2 by window 6
     plain = token_counts(g, prompt, 400, 16, speculation=False)
     windowed = token_counts(g, prompt, 400, 16, draft_tokens=2, draft_window=6)

@@ -141,12 +141,8 @@ def committed_rows(kv, buf, n):
     return buf[:n] if kv.layout == "position-major" else buf[0, :, :n]
 
 
-def test_pipelined_sampling_matches_plain_sampling_distribution(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipe-sampling")
-    target = build_model(root / "t", "llama", seed=21, vocab_size=16)
-    draft = build_model(root / "d", "llama", seed=22, vocab_size=16, perturb=(target, 0.5))
-    export_bundle(ExportConfig(target=str(target), draft=str(draft), out=root / "b", max_context=64, quiet=True))
-    g = Generator.from_bundle(root / "b")
+def test_pipelined_sampling_matches_plain_sampling_distribution(sampling_pair):
+    g = sampling_pair
     prompt = [6, 7, 8]
     plain = token_counts(g, prompt, 500, 16, speculation=False)
     pipelined = token_counts(g, prompt, 500, 16, draft_tokens=2, mode="pipelined")
