@@ -132,10 +132,11 @@ class ModelDrafter:
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
 
-    def pending_tokens(self, history_length: int) -> int:
-        """How many tokens the next ``propose`` on a history of this length feeds before its
-        first draft token (an upper bound: a rejected tail it rewinds first is not counted)."""
-        missing = max(history_length - len(self.cached) - self._skipped, 1)
+    def pending_tokens(self, history) -> int:
+        """How many tokens the next ``propose(history, k)`` feeds before its first draft token
+        (an upper bound: a rejected tail it rewinds first is not counted). ``history``: any
+        int sequence; only its length is read."""
+        missing = max(len(history) - len(self.cached) - self._skipped, 1)
         return missing if self.window is None else min(missing, self.window)
 
     def _bridge(self, history: np.ndarray) -> int:
@@ -252,11 +253,22 @@ class NGramDrafter:
     def propose(self, history: np.ndarray, k: int) -> Proposal:
         self._sync(history)
         seq = self._tokens
+        start = self._match_start()
+        return Proposal.empty() if start is None else Proposal(np.array(seq[start:start + k], np.int64))
+
+    def _match_start(self) -> int | None:
+        """Where the continuation of the longest matching suffix starts, or None."""
+        seq = self._tokens
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._index[n].get(tuple(seq[len(seq) - n:]))
             if start is not None:
-                return Proposal(np.array(seq[start:start + k], np.int64))
-        return Proposal.empty()
+                return start
+        return None
+
+    def has_match(self, history) -> bool:
+        """Whether ``propose(history, k)`` would propose anything (``history``: any int sequence)."""
+        self._sync(history)
+        return self._match_start() is not None
 
     def accept(self, history: np.ndarray, n_accepted: int) -> None:
         self._sync(history)
@@ -292,8 +304,9 @@ class CompositeDrafter:
         self.ngram.accept(history, n_accepted)
         self.model.accept(history, n_accepted)
 
-    def pending_tokens(self, history_length: int) -> int:
-        return self.model.pending_tokens(history_length)
+    def pending_tokens(self, history) -> int:
+        # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
+        return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
 
     @property
     def catchup_s(self) -> float:

@@ -169,7 +169,7 @@ class _Run:
         if self.carry is not None:
             return min(len(self.carry.tokens), limit)
         pending = getattr(self.drafter, "pending_tokens", None)
-        catchup = pending(len(self.history)) if pending is not None else 0
+        catchup = pending(self.history) if pending is not None else 0  # the list itself: no O(context) copy
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
             self.horizon(generated, self.max_new_tokens - generated)

@@ -20,7 +20,7 @@ import pytest
 from specedge.errors import InvalidParameterError
 from specedge.export.bundle import ExportConfig, export_bundle
 from specedge.runtime.controller import CostProfile
-from specedge.runtime.drafters import ModelDrafter
+from specedge.runtime.drafters import CompositeDrafter, ModelDrafter, NGramDrafter
 from specedge.runtime.horizon import ReplyLengths
 from specedge.runtime.generator import GenerationConfig, Generator
 from specedge.runtime.sampling import SamplingConfig
@@ -182,3 +182,17 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         gen._profiles.update(saved_profiles)
         gen.reply_lengths = saved_lengths
         gen._acceptance = saved_acceptance
+
+
+def test_the_composite_reports_no_catchup_for_a_step_its_ngram_side_serves(gen):
+    """A step the n-gram side can serve needs no draft catch-up, so the controller's catch-up
+    gate must not stop prompt lookup; other steps report the model's catch-up."""
+    composite = CompositeDrafter(NGramDrafter(3, 2), drafter(gen, window=8))
+    repeating = LONG_PROMPT + LONG_PROMPT[:3]  # ends with a 3-gram seen at the start
+    composite.begin(np.asarray(repeating))
+    assert composite.pending_tokens(repeating) == 1
+    assert len(composite.propose(np.asarray(repeating, np.int64), 4).tokens) == 4  # served by the n-gram side
+    assert composite.catchup_tokens == 0 and composite.model.cache.length == 0
+    fresh = LONG_PROMPT  # its last 2 tokens occur nowhere earlier
+    composite.begin(np.asarray(fresh))
+    assert composite.pending_tokens(fresh) == 8  # the model would read its window
