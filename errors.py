@@ -52,6 +52,10 @@ class ExportError(SpecedgeError):
     """Export could not read the source model or write the bundle."""
 
 
+class UnsupportedModelError(ExportError):
+    """The checkpoint asks for a model feature the graph builder does not implement (named in the message)."""
+
+
 class ExportValidationError(ExportError):
     """ONNX Runtime's outputs differ from PyTorch's beyond the tolerance."""
 

@@ -25,7 +25,14 @@ from typing import Any
 from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
 
 FORMAT_NAME = "specedge-bundle"
-FORMAT_VERSION = 1
+# 2: graphs implement sliding-window attention and models record it (attention_windows).
+FORMAT_VERSION = 2
+# Older versions this specedge still loads, with the caveat each carries (shown by `specedge info`).
+LEGACY_FORMAT_NOTES = {
+    1: ("format 1 was exported before sliding-window support: if the source checkpoint uses a sliding window "
+        "(Mistral, Qwen2 with use_sliding_window, ...), its output past the window is wrong; re-export it with "
+        "this specedge"),
+}
 MANIFEST_FILE = "manifest.json"
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
@@ -107,6 +114,9 @@ class ModelEntry:
     # whose ids (int32, little-endian) are stored in the bundle file head_tokens.
     head_tokens: str | None = None
     head_size: int = 0  # 0 = the full vocabulary
+    # Per layer: the sliding-window length in tokens the graph applies (0 = full attention).
+    # Empty: every layer attends to the whole context.
+    attention_windows: tuple[int, ...] = ()
 
     @property
     def output_size(self) -> int:
@@ -147,6 +157,12 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form export facts (timings, profiles)
     format_version: int = FORMAT_VERSION
 
+    @property
+    def format_notes(self) -> tuple[str, ...]:
+        """Caveats of a bundle written in an older format (empty for the current one)."""
+        note = LEGACY_FORMAT_NOTES.get(self.format_version)
+        return (note,) if note else ()
+
     def models(self) -> dict[str, ModelEntry]:
         out = {"target": self.target}
         if self.draft is not None:
@@ -158,6 +174,9 @@ class Manifest:
             d = asdict(m)
             d["eos_token_ids"] = list(m.eos_token_ids)
             d["data_files"] = list(m.data_files)
+            d["attention_windows"] = list(m.attention_windows)
+            if not m.attention_windows:
+                d.pop("attention_windows")
             if not m.head_tokens:  # keep manifests of full-vocabulary models free of unused fields
                 d.pop("head_tokens")
                 d.pop("head_size")
@@ -269,6 +288,14 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
             raise ManifestError(f"manifest field '{where}.data_files[{i}]' must be a string")
         _relpath(rel, f"{where}.data_files[{i}]")
     io = _get(obj, "io", where, dict, optional=True, default={})
+    windows = _get(obj, "attention_windows", where, list, optional=True, default=[])
+    if windows and len(windows) != ints["n_layers"]:
+        raise ManifestError(f"manifest field '{where}.attention_windows' must list one window per layer "
+                            f"({ints['n_layers']}), got {len(windows)}")
+    for i, window in enumerate(windows):
+        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= _MAX_CONTEXT:
+            raise ManifestError(f"manifest field '{where}.attention_windows[{i}]' must be a window length in "
+                                f"[0, {_MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
     return ModelEntry(
         graph=_relpath(_get(obj, "graph", where, str), f"{where}.graph"),
         architecture=_get(obj, "architecture", where, str),
@@ -284,6 +311,7 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         head_tokens=(_relpath(h, f"{where}.head_tokens")
                      if (h := _get(obj, "head_tokens", where, str, optional=True)) else None),
         head_size=_get(obj, "head_size", where, int, optional=True, default=0),
+        attention_windows=tuple(windows),
         io=_parse_io(io, f"{where}.io"),
         **ints,
     )
@@ -297,9 +325,10 @@ def parse_manifest(obj: Any) -> Manifest:
     if fmt != FORMAT_NAME:
         raise ManifestError(f"manifest field 'format' must be {FORMAT_NAME!r}, got {fmt!r}: not a specedge bundle")
     version = _get(obj, "format_version", "", int)
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION and version not in LEGACY_FORMAT_NOTES:
+        readable = ", ".join(str(v) for v in sorted({FORMAT_VERSION, *LEGACY_FORMAT_NOTES}))
         raise ManifestError(f"manifest format_version {version} is not supported (this specedge reads "
-                            f"version {FORMAT_VERSION}); re-export the bundle with this version")
+                            f"versions {readable}); re-export the bundle with this version")
     models = _get(obj, "models", "", dict)
     if "target" not in models:
         raise ManifestError("manifest field 'models.target' is missing")

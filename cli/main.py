@@ -295,14 +295,22 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
 
     manifest = load_manifest(bundle, verify_checksums=not no_verify_checksums)
     if as_json:
-        click.echo(json.dumps(manifest.to_json(), indent=2))
+        described = manifest.to_json()
+        if manifest.format_notes:
+            described["format_notes"] = list(manifest.format_notes)
+        click.echo(json.dumps(described, indent=2))
         return
     size = sum(f["size"] for f in manifest.files.values())
     click.echo(f"bundle {bundle}  ({size / 1e6:.0f} MB, format v{manifest.format_version}, {manifest.created_by})")
+    for note in manifest.format_notes:
+        click.echo(f"  warning: {note}")
     for role, m in manifest.models().items():
+        windows = sorted({w for w in m.attention_windows if w})
+        window_text = (f", sliding window {'/'.join(map(str, windows))} on "
+                       f"{sum(1 for w in m.attention_windows if w)} of {m.n_layers} layers" if windows else "")
         click.echo(f"  {role:6s} {m.architecture} {m.precision}: {m.n_layers} layers, {m.n_heads} heads "
-                   f"({m.n_kv_heads} kv) x {m.head_dim}, vocab {m.vocab_size}, max_context {m.max_context}, "
-                   f"from {m.source}")
+                   f"({m.n_kv_heads} kv) x {m.head_dim}, vocab {m.vocab_size}, max_context {m.max_context}"
+                   f"{window_text}, from {m.source}")
     s = manifest.speculation
     click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
                f"adaptive {s.adaptive}")

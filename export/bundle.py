@@ -86,23 +86,26 @@ def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: s
                       n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                       head_dim=spec.head_dim, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                       max_context=max_context, eos_token_ids=eos, kv_dtype=kv_dtype, data_files=tuple(data_files),
-                      tokenizer_sha256=tokenizer_sha256, attention=attention)
+                      tokenizer_sha256=tokenizer_sha256, attention=attention,
+                      attention_windows=(spec.layer_windows[:spec.n_layers]
+                                         if any(spec.layer_windows[:spec.n_layers]) else ()))
 
 
 class _ModelExporter:
     """Exports one loaded model into ``root/<role>/`` at one or more precisions."""
 
     def __init__(self, root: Path, loaded, config: ExportConfig, tokenizer_sha256: str) -> None:
+        from .features import check_context, validation_edges
         from .weights import extract
 
         self.root = root
         self.loaded = loaded
         self.config = config
         self.tokenizer_sha256 = tokenizer_sha256
-        self.spec, self.weights = extract(loaded.model)
-        if self.spec.architecture == "gpt2" and config.max_context > self.spec.max_positions:
-            raise InvalidParameterError(f"max_context {config.max_context} exceeds this GPT-2 model's "
-                                        f"{self.spec.max_positions} learned positions")
+        self.spec, self.weights, self.features = extract(loaded.model)
+        self.context_warning = check_context(self.features, config.max_context)
+        # Validation straddles every window edge and the trained context below max_context.
+        self.edges = validation_edges(self.features, config.max_context)
         # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
         self.reports: dict = {}
@@ -137,7 +140,7 @@ class _ModelExporter:
         if head_ids is not None:
             head_file = folder / "head_tokens.i32"
             np.asarray(head_ids, "<i4").tofile(head_file)
-        check = {"head_ids": head_ids, "layers": layers}
+        check = {"head_ids": head_ids, "layers": layers, "edges": self.edges}
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
             files = build_decoder(spec, weights, graph, dtype=dtype, attention=self.attention,
@@ -252,6 +255,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
         target = target_exp._write("target", config.precision, target_loaded.source)
         reports = dict(target_exp.reports)
         variance = dict(target_exp.batch_variance)
+        warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
+        unknown = {"target": list(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         draft = None
         head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,
                                       target.eos_token_ids) if config.draft_vocab else None)
@@ -279,6 +284,10 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                      head_ids=head_ids)
             reports.update(draft_exp.reports)
             variance.update(draft_exp.batch_variance)
+            if draft_exp.context_warning:
+                warned["draft"] = draft_exp.context_warning
+            if draft_exp.features.unknown_fields:
+                unknown["draft"] = list(draft_exp.features.unknown_fields)
             del draft_exp, draft_loaded
             gc.collect()
         progress("writing manifest")
@@ -295,7 +304,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "batch_variance": variance,
+            extra={"validation": reports, "batch_variance": variance, **({"context_warnings": warned} if warned else {}),
+                   **({"unknown_config_fields": unknown} if unknown else {}),
                    "export_seconds": round(time.perf_counter() - started, 1)},
         )
         write_manifest(tmp, manifest)

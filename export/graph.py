@@ -62,6 +62,14 @@ class DecoderSpec:
     rope_scaling: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
     tied_embeddings: bool = False
     max_positions: int = 0  # gpt2 learned position table size
+    activation: str = "silu"  # MLP activation (export/features.ACTIVATIONS); gated for the llama family
+    # Per layer: sliding-window length W (query p sees keys p-W+1..p, as transformers masks
+    # `kv_idx > q_idx - W`), or 0 for full causal attention. Empty: every layer is full.
+    layer_windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
 
 @dataclass
@@ -204,10 +212,18 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
     total = b.one("Squeeze", [b.one("Add", [past_len, n_new])])
     key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
                               b.const("one_i", np.array(1, np.int64))])  # [T]
-    allowed = b.one("LessOrEqual", [b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])]),
-                                    b.one("Unsqueeze", [pos, b.ints("ax1", [1])])])  # [n, T]
-    mask = b.one("Where", [allowed, b.const("zero_f", np.array(0.0, np.float32)),
-                           b.const("neg_inf", np.array(-np.inf, np.float32))])  # [n, T], fp32
+    key_row = b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])])  # [1, T]
+    query_col = b.one("Unsqueeze", [pos, b.ints("ax1", [1])])  # [n, 1]
+    causal = b.one("LessOrEqual", [key_row, query_col])  # [n, T]
+    masks: dict[int, str] = {}  # window (0 = full) -> additive mask [n, T], fp32, shared by its layers
+    for window in sorted({s.window(i) for i in range(s.n_layers)}):
+        allowed = causal
+        if window:
+            # Sliding window: the query at position p also drops keys at p - W and earlier.
+            lowest = b.one("Sub", [query_col, b.const(b.name("window"), np.array(window, np.int64))])
+            allowed = b.one("And", [causal, b.one("Greater", [key_row, lowest])])
+        masks[window] = b.one("Where", [allowed, b.const(b.name("zero_f"), np.array(0.0, np.float32)),
+                                        b.const(b.name("neg_inf"), np.array(-np.inf, np.float32))])
 
     cos = sin = None
     if s.architecture != "gpt2":
@@ -225,7 +241,7 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
         sin = b.one("Unsqueeze", [sin, b.ints("ax1d", [1])])
 
     for i in range(s.n_layers):
-        x = _layer(b, s, w, i, x, mask, cos, sin)
+        x = _layer(b, s, w, i, x, masks[s.window(i)], cos, sin)
     return _finish(b, s, w, untie_lm_head, inputs, outputs, (x, embed))
 
 
@@ -245,20 +261,22 @@ def _gqa_layers(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], max_conte
         qkv = _linear(b, normed, w, f"{p}.qkv")
         q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
         q, k, v = (b.one("Unsqueeze", [t, b.ints(b.name("ax"), [0])]) for t in (q, k, v))  # [1, n, *]
+        # ORT's local_window_size is the number of keys a query sees, its own included: transformers'
+        # window W exactly (W - 1 failed validation at the first step past the window).
+        # A window that covers the whole cache is no window.
+        window = s.window(i)
+        local = {"local_window_size": window} if 0 < window < max_context else {}
         attn = b.node("GroupQueryAttention",
                       [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length",
                        cos_cache, sin_cache],
                       n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale,
-                      do_rotary=1, rotary_interleaved=0)[0]
+                      do_rotary=1, rotary_interleaved=0, **local)[0]
         # GQA's 2nd/3rd outputs are the shared cache buffers; name them as graph outputs.
         b.nodes[-1].output.extend([f"present_key.{i}", f"present_value.{i}"])
         attn = b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
         x = b.one("Add", [x, _linear(b, attn, w, f"{p}.o")])
         normed = _norm(b, s, x, w[f"{p}.mlp_norm"], None, f"{p}.mlp")
-        gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
-                                    b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
-        hidden = b.one("Mul", [b.one("Mul", [gate, b.one("Sigmoid", [gate])]), up])
-        x = b.one("Add", [x, _linear(b, hidden, w, f"{p}.down")])
+        x = b.one("Add", [x, _linear(b, _gated_mlp(b, s, w, p, normed), w, f"{p}.down")])
     return x, embed
 
 
@@ -357,16 +375,36 @@ def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str
 
     normed = _norm(b, s, x, w[f"{p}.mlp_norm"], w.get(f"{p}.mlp_norm_bias"), f"{p}.mlp")
     if s.architecture == "gpt2":
-        hidden = _gelu_tanh(b, _linear(b, normed, w, f"{p}.fc"))
+        hidden = _activate(b, s.activation, _linear(b, normed, w, f"{p}.fc"))
     else:
-        gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
-                                    b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
-        hidden = b.one("Mul", [b.one("Mul", [gate, b.one("Sigmoid", [gate])]), up])  # SiLU(gate) * up
+        hidden = _gated_mlp(b, s, w, p, normed)
     return b.one("Add", [x, _linear(b, hidden, w, f"{p}.down")])
 
 
+def _gated_mlp(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], p: str, normed: str) -> str:
+    """act(gate) * up, from one fused gate|up GEMM: [n, intermediate]."""
+    gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
+                                b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
+    return b.one("Mul", [_activate(b, s.activation, gate), up])
+
+
+def _activate(b: _Builder, name: str, x: str) -> str:
+    """transformers' ACT2FN[name] (export/features.ACTIVATIONS), in opset-18 ops."""
+    if name == "silu":
+        return b.one("Mul", [x, b.one("Sigmoid", [x])])
+    if name == "relu":
+        return b.one("Relu", [x])
+    if name == "gelu":  # exact: 0.5 x (1 + erf(x / sqrt 2))
+        erf = b.one("Erf", [b.one("Mul", [x, b.scalar(b.name("c"), float(1 / np.sqrt(2.0)))])])
+        return b.one("Mul", [b.one("Mul", [x, b.scalar(b.name("half"), 0.5)]),
+                             b.one("Add", [erf, b.scalar(b.name("one"), 1.0)])])
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return _gelu_tanh(b, x)
+    raise ValueError(f"activation {name!r} has no graph (export/features.py refuses it first)")
+
+
 def _gelu_tanh(b: _Builder, x: str) -> str:
-    """GPT-2's gelu_new: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    """gelu_new / gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     cube = b.one("Mul", [b.one("Mul", [x, x]), x])
     inner = b.one("Mul", [b.one("Add", [x, b.one("Mul", [cube, b.scalar(b.name("c"), 0.044715)])]),
                           b.scalar(b.name("c"), float(np.sqrt(2.0 / np.pi)))])

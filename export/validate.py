@@ -2,8 +2,12 @@
 
 Paths compared (as optimum's validator does): a multi-token prefill with an
 empty past, a 1-token step on top of that past, and a multi-token (verify-sized)
-step on top of a past. All run through the real OrtEngine, so the IO binding and
-cache writes are validated too.
+step on top of a past. Then, for every *edge* below max_context (each sliding-window
+length, and the trained context): the cache is filled (in chunks) or rewound to just
+before the edge, a verify block straddles it on top of that prefix, and one step
+follows. A window or a position rule the graph gets wrong shows only past such an
+edge, which a 13-token check never reaches. All run through the real OrtEngine, so
+the IO binding, chunked prefill, rewind and cache writes are validated too.
 """
 
 from __future__ import annotations
@@ -36,12 +40,66 @@ class ValidationReport:
         return {"max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance, "top1_agreement": self.top1_agreement}
 
 
-def _torch_logits(model: Any, ids: np.ndarray, layers: int | None = None) -> np.ndarray:
-    """PyTorch logits [n, vocab]; ``layers`` runs only the first that many decoder layers."""
+# Prefill chunk size when filling the cache up to an edge: bounds the attention scores a
+# long fill materialises ([heads, chunk, T] floats) and exercises chunked prefill too.
+_FILL_CHUNK = 256
+# Rows compared at the end of each fill chunk (a chunk's logits for every row would cost
+# chunk x vocab floats for nothing: the verify blocks check the edges row by row).
+_FILL_ROWS = 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One forward of the validation run: tokens ``start .. start+length-1`` on a cache of ``start``."""
+
+    name: str
+    start: int
+    length: int
+    compare: int  # the last this many rows are compared with PyTorch
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def rows(self) -> range:
+        return range(self.end - self.compare, self.end)
+
+
+def validation_plan(edges: tuple[int, ...], max_context: int, *, prefill: int = 7,
+                    verify: int = 5) -> list[Segment]:
+    """The forwards export validation runs, in order (the cache is rewound where a segment starts earlier).
+
+    Always a ``prefill``-token prefill, a 1-token step and a ``verify``-token verify. Then per edge
+    e: fill to e - verify // 2 (or rewind to it), a verify block straddling e, one step after it.
+    """
+    plan = [Segment("prefill", 0, prefill, prefill), Segment("step", prefill, 1, 1),
+            Segment("verify", prefill + 1, verify, verify)]
+    length = plan[-1].end
+    for edge in edges:
+        start = min(max(1, edge - verify // 2), max_context - verify - 1)
+        while length < start:  # fill the cache in chunks up to the block
+            n = min(_FILL_CHUNK, start - length)
+            plan.append(Segment(f"prefill chunk to position {length + n - 1}", length, n, min(n, _FILL_ROWS)))
+            length += n
+        plan.append(Segment(f"verify across edge {edge}", start, verify, verify))
+        plan.append(Segment(f"step after edge {edge}", start + verify, 1, 1))
+        length = start + verify + 1
+    return plan
+
+
+def _torch_logits(model: Any, ids: np.ndarray, layers: int | None = None,
+                  rows: np.ndarray | None = None) -> np.ndarray:
+    """PyTorch logits [len(rows) or n, vocab] of one full forward over ``ids`` [n].
+
+    ``layers`` runs only the first that many decoder layers; ``rows`` keeps only those positions'
+    logits (a 4k-token reference would otherwise hold 4k x vocab floats).
+    """
     import torch
 
+    keep = {} if rows is None else {"logits_to_keep": torch.from_numpy(np.asarray(rows, np.int64))}
     with torch.no_grad(), _first_layers(model, layers):
-        return model(torch.from_numpy(ids[None]), use_cache=False).logits[0].float().numpy()
+        return model(torch.from_numpy(ids[None]), use_cache=False, **keep).logits[0].float().numpy()
 
 
 class _first_layers:
@@ -68,44 +126,52 @@ class _first_layers:
             self.model.config.num_hidden_layers = count
 
 
-def _ort_logits(engine: OrtEngine, ids: np.ndarray, prefill: int, verify: int) -> dict[str, np.ndarray]:
-    """Prefill ``prefill`` tokens, then one 1-token step, then a ``verify``-token step."""
+def _ort_logits(engine: OrtEngine, ids: np.ndarray, plan: list[Segment]) -> list[np.ndarray]:
+    """Run ``plan`` on one cache (rewinding where a segment starts before the cached length)."""
     kv = engine.new_cache()
-    out = {"prefill": engine.forward(ids[:prefill], kv, num_logits=prefill).copy()}
-    out["step"] = engine.forward(ids[prefill:prefill + 1], kv, num_logits=1).copy()
-    out["verify"] = engine.forward(ids[prefill + 1:prefill + 1 + verify], kv, num_logits=verify).copy()
+    out = []
+    for seg in plan:
+        if kv.length > seg.start:
+            kv.rewind(kv.length - seg.start)
+        out.append(engine.forward(ids[seg.start:seg.end], kv, num_logits=seg.compare).copy())
     return out
 
 
 def validate_graph(model: Any, entry: ModelEntry, graph: Path, *, relative_tolerance: float,
-                   prefill: int = 7, verify: int = 5, seed: int = 0, strict: bool = True,
-                   head_ids: np.ndarray | None = None, layers: int | None = None) -> ValidationReport:
-    """Raise ExportValidationError naming the step and tensor if ORT and PyTorch disagree.
+                   edges: tuple[int, ...] = (), prefill: int = 7, verify: int = 5, seed: int = 0,
+                   strict: bool = True, head_ids: np.ndarray | None = None,
+                   layers: int | None = None) -> ValidationReport:
+    """Raise ExportValidationError naming the segment if ORT and PyTorch disagree.
 
+    ``edges``: positions the run must straddle (export/features.validation_edges).
     ``layers`` / ``head_ids``: the graph is an early-exit and/or truncated-head copy; it is
     compared with the first ``layers`` layers of the PyTorch model, at the ``head_ids`` columns.
     """
+    plan = validation_plan(edges, entry.max_context, prefill=prefill, verify=verify)
+    length = max(seg.end for seg in plan)
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, entry.vocab_size, size=prefill + 1 + verify).astype(np.int64)
-    reference = _torch_logits(model, ids, layers)
+    ids = rng.integers(0, entry.vocab_size, size=length).astype(np.int64)
+    positions = np.unique(np.concatenate([np.asarray(seg.rows) for seg in plan]))
+    reference = _torch_logits(model, ids, layers, positions)
     if head_ids is not None:
         reference = reference[:, head_ids]
+    row_of = {int(p): i for i, p in enumerate(positions)}
     engine = OrtEngine(entry, graph, EngineOptions())
-    got = _ort_logits(engine, ids, prefill, verify)
-    rows = {"prefill": reference[:prefill], "step": reference[prefill:prefill + 1],
-            "verify": reference[prefill + 1:]}
+    got = _ort_logits(engine, ids, plan)
     scale = max(1.0, float(np.abs(reference).max()))
     tolerance = relative_tolerance * scale
     diffs, agree, total = {}, 0, 0
-    for name, ref in rows.items():
-        diff = float(np.abs(got[name] - ref).max())
-        diffs[name] = diff
-        agree += int((got[name].argmax(-1) == ref.argmax(-1)).sum())
+    for seg, logits in zip(plan, got):
+        ref = reference[[row_of[p] for p in seg.rows]]
+        diff = float(np.abs(logits - ref).max())
+        diffs[seg.name] = diff
+        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ref)
         if strict and not diff <= tolerance:  # also catches NaN
             raise ExportValidationError(
-                f"logits of the {name} step ({len(ref)} tokens) differ from PyTorch by {diff:.3g}, above the "
-                f"tolerance {tolerance:.3g} ({relative_tolerance:g} x logit scale {scale:.3g}) for {entry.graph}")
+                f"logits of the {seg.name} ({seg.length} tokens at positions {seg.start}..{seg.end - 1}) differ "
+                f"from PyTorch by {diff:.3g}, above the tolerance {tolerance:.3g} ({relative_tolerance:g} x logit "
+                f"scale {scale:.3g}) for {entry.graph}")
     return ValidationReport(diffs, tolerance, agree / total)
 
 

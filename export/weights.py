@@ -12,28 +12,27 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ExportError
+from .features import LLAMA_FAMILY, ModelFeatures, read_features
 from .graph import DecoderSpec
-
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
-SUPPORTED = LLAMA_FAMILY + ("gpt2",)
 
 
 def _np(t: Any) -> np.ndarray:
     return t.detach().to("cpu").float().numpy()
 
 
-def extract(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
-    """Return the architecture spec and float32 weights of an HF causal LM (torch)."""
-    model_type = model.config.model_type
-    if model_type in LLAMA_FAMILY:
-        return _llama(model)
-    if model_type == "gpt2":
-        return _gpt2(model)
-    raise ExportError(f"architecture {model_type!r} is not supported yet; supported: {', '.join(SUPPORTED)}")
+def extract(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray], ModelFeatures]:
+    """Return the architecture spec, float32 weights and config features of an HF causal LM (torch).
+
+    The config is checked field by field first (export/features.py): a feature the graph does
+    not implement is refused by name before any weight is copied.
+    """
+    features = read_features(model.config)
+    if features.model_type in LLAMA_FAMILY:
+        return (*_llama(model, features), features)
+    return (*_gpt2(model, features), features)
 
 
-def _llama(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
+def _llama(model: Any, features: ModelFeatures) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
     cfg = model.config
     sd = model.state_dict()
     n_heads = cfg.num_attention_heads
@@ -58,19 +57,25 @@ def _llama(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
         gate, up = (_np(sd[f"{p}.mlp.{n}_proj.weight"]).T for n in ("gate", "up"))
         w[f"layers.{i}.gate_up"] = np.concatenate([gate, up], axis=1)
         w[f"layers.{i}.down"] = _np(sd[f"{p}.mlp.down_proj.weight"]).T
+        if f"{p}.mlp.gate_proj.bias" in sd:  # mlp_bias=True
+            w[f"layers.{i}.gate_up_bias"] = np.concatenate([_np(sd[f"{p}.mlp.{n}_proj.bias"]) for n in ("gate", "up")])
+            w[f"layers.{i}.down_bias"] = _np(sd[f"{p}.mlp.down_proj.bias"])
     spec = DecoderSpec(
         architecture="llama", n_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
         norm_eps=float(cfg.rms_norm_eps), attn_scale=float(head_dim ** -0.5),
-        # The rotary module already applied any rope_scaling (llama3, yarn, ...) to inv_freq.
-        inv_freq=tuple(float(f) for f in _np(rotary.inv_freq)),
+        # The rotary module already applied any static rope scaling (linear, llama3, yarn) to inv_freq.
+        # 'dynamic' may have rescaled inv_freq after a long forward; its original frequencies are the
+        # exact ones up to max_position_embeddings, the only range such a bundle is exported for.
+        inv_freq=tuple(float(f) for f in _np(rotary.original_inv_freq if features.rope_type == "dynamic"
+                                             else rotary.inv_freq)),
         rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        tied_embeddings=tied,
+        tied_embeddings=tied, activation=features.activation, layer_windows=features.layer_windows,
     )
     return spec, w
 
 
-def _gpt2(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
+def _gpt2(model: Any, features: ModelFeatures) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
     cfg = model.config
     sd = model.state_dict()
     head_dim = cfg.n_embd // cfg.n_head
@@ -93,13 +98,12 @@ def _gpt2(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
         w[f"layers.{i}.fc_bias"] = _np(sd[f"{p}.mlp.c_fc.bias"])
         w[f"layers.{i}.down"] = _np(sd[f"{p}.mlp.c_proj.weight"])
         w[f"layers.{i}.down_bias"] = _np(sd[f"{p}.mlp.c_proj.bias"])
-    if getattr(cfg, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ExportError(f"gpt2 activation {cfg.activation_function!r} is not supported (gelu_new only)")
     scale = head_dim ** -0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
     spec = DecoderSpec(
         architecture="gpt2", n_layers=cfg.n_layer, hidden_size=cfg.n_embd, n_heads=cfg.n_head,
         n_kv_heads=cfg.n_head, head_dim=head_dim, intermediate_size=cfg.n_inner or 4 * cfg.n_embd,
         vocab_size=cfg.vocab_size, norm_eps=float(cfg.layer_norm_epsilon), attn_scale=float(scale),
-        tied_embeddings=True, max_positions=cfg.n_positions,
+        tied_embeddings=True, max_positions=cfg.n_positions, activation=features.activation,
+        layer_windows=features.layer_windows,
     )
     return spec, w

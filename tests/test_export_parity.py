@@ -178,18 +178,21 @@ def _perturb_extract(monkeypatch, change):
     original = weights.extract
 
     def extract(model):
-        spec, w = original(model)
+        spec, w, features = original(model)
         w = dict(w)
         change(w)
-        return spec, w
+        return spec, w, features
 
     monkeypatch.setattr(weights, "extract", extract)
 
 
 @pytest.mark.parametrize("rows, step", [
-    (slice(0, None), r"the prefill step \(7 tokens\)"),  # every position wrong: the prefill catches it
-    (slice(7, None), r"the step step \(1 tokens\)"),  # positions >= 7: the prefill passes, the step fails
-    (slice(8, None), r"the verify step \(5 tokens\)"),  # positions >= 8: only the verify step sees them
+    (slice(0, None), r"the prefill \(7 tokens at positions 0\.\.6\)"),  # every position wrong: the prefill catches it
+    (slice(7, None), r"the step \(1 tokens at positions 7\.\.7\)"),  # positions >= 7: the prefill passes
+    (slice(8, None), r"the verify \(5 tokens at positions 8\.\.12\)"),  # positions >= 8: only the verify sees them
+    # Only the last position the cache holds: the run to max_context catches it.
+    (slice(63, None), r"the step after edge 63 \(1 tokens at positions 63\.\.63\)"),
+    (slice(30, 31), r"the prefill chunk to position 57 \(45 tokens at positions 13\.\.57\)"),
 ])
 def test_wrong_graph_raises_export_validation_error_naming_the_step(rows, step, tiny_model, tmp_path, monkeypatch):
     """gpt2's learned position table lets one perturbation reach exactly the steps we choose."""
@@ -216,6 +219,6 @@ def test_wrong_llama_weight_is_caught(tiny_model, tmp_path, monkeypatch):
     _perturb_extract(monkeypatch, change)
     from specedge.export.bundle import ExportConfig, export_bundle
 
-    with pytest.raises(ExportValidationError, match=r"prefill step .* tolerance .* target/model\.onnx"):
+    with pytest.raises(ExportValidationError, match=r"prefill \(7 tokens.* tolerance .* target/model\.onnx"):
         export_bundle(ExportConfig(target=str(tiny_model("llama")), out=tmp_path / "b", max_context=64, quiet=True))
     assert list(tmp_path.iterdir()) == []

@@ -113,7 +113,7 @@ def test_unknown_model_role_and_missing_draft(manifest_json):
         parse_manifest(_with(manifest_json, "models.draft", delete=True))
 
 
-@pytest.mark.parametrize("version", [0, 2, 99])
+@pytest.mark.parametrize("version", [0, 3, 99])
 def test_unknown_format_version(manifest_json, version):
     with pytest.raises(ManifestError, match=rf"format_version {version} is not supported .* re-export"):
         parse_manifest(_with(manifest_json, "format_version", version))

@@ -71,34 +71,43 @@ def save_tokenizer(out: Path, size: int, eos_id: int = EOS_ID) -> None:
     fast.save_pretrained(str(out))
 
 
-def _config(arch: str, vocab_size: int, eos_id: int) -> Any:
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+def _config(arch: str, vocab_size: int, eos_id: int, overrides: dict | None = None) -> Any:
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=eos_id, initializer_range=INIT_STD)
+    llama_like = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512, **common)
     if arch == "llama":
-        return LlamaConfig(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                           tie_word_embeddings=False, **common)
-    if arch == "qwen2":
+        cls, fields = LlamaConfig, dict(llama_like, tie_word_embeddings=False)
+    elif arch == "mistral":
+        # Mistral: llama's layout plus a sliding window (none here unless overridden).
+        cls, fields = MistralConfig, dict(llama_like, head_dim=HIDDEN // HEADS, tie_word_embeddings=False,
+                                          sliding_window=None)
+    elif arch == "qwen2":
         # Qwen2: q/k/v projections carry biases, embeddings tied to the output layer.
-        return Qwen2Config(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                           tie_word_embeddings=True, use_sliding_window=False, **common)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=N_POSITIONS,
-                          activation_function="gelu_new", **common)
-    raise ValueError(f"unknown tiny arch {arch!r}")
+        cls, fields = Qwen2Config, dict(llama_like, tie_word_embeddings=True, use_sliding_window=False)
+    elif arch == "gpt2":
+        cls, fields = GPT2Config, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=N_POSITIONS,
+                                       activation_function="gelu_new", **common)
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    return cls(**{**fields, **(overrides or {})})
 
 
 def _model_class(arch: str) -> Any:
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gpt2": GPT2LMHeadModel}[arch]
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gpt2": GPT2LMHeadModel,
+            "mistral": MistralForCausalLM}[arch]
 
 
 def build_model(out: Path, arch: str, seed: int, *, vocab_size: int = 300, tokenizer_size: int | None = None,
-                eos_id: int = EOS_ID, perturb: tuple[Path, float] | None = None) -> Path:
+                eos_id: int = EOS_ID, perturb: tuple[Path, float] | None = None,
+                config: dict | None = None) -> Path:
     """Write a tiny random model folder (safetensors + tokenizer) to ``out``; return ``out``.
+
+    ``config``: transformers config fields that override the tiny defaults (a sliding window,
+    a rope type, an activation, ...).
 
     ``perturb=(folder, scale)``: start from the weights saved in ``folder`` and add
     Gaussian noise of ``scale`` times each tensor's std, drawn from ``seed``. That gives
@@ -112,7 +121,7 @@ def build_model(out: Path, arch: str, seed: int, *, vocab_size: int = 300, token
     out.mkdir(parents=True)
     torch.manual_seed(seed)
     cls = _model_class(arch)
-    model = cls(_config(arch, vocab_size, eos_id)).eval()
+    model = cls(_config(arch, vocab_size, eos_id, config)).eval()
     gen = torch.Generator().manual_seed(seed + 10_000)
     with torch.no_grad():
         if perturb is not None:
