@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import InvalidParameterError
 
 SUITE_PATH = Path(__file__).with_name("prompts") / "suite.json"
-CATEGORIES = ("code", "chat", "grounded", "voice", "hostile")
+CATEGORIES = ("code", "chat", "grounded", "voice", "hostile", "agent", "repeat")
 
 
 @dataclass(frozen=True)
