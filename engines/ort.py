@@ -39,11 +39,28 @@ def check_provider(provider: str) -> None:
                                       f"install; available: {', '.join(have)}{hint}")
 
 
+def session_providers(provider: str, provider_options: dict | None = None,
+                      cuda_options: dict | None = None) -> list:
+    """ORT's provider list for one session, in precedence order.
+
+    The chosen EP first. Under TensorRT, CUDA comes next: a node TensorRT declines then
+    runs on the device, next to the device-resident cache, instead of on the CPU (which
+    would copy its inputs across PCIe every step). CPU last, for host-side shape ops.
+    ``cuda_options`` (device_id, user_compute_stream) go to the CUDA EP in both GPU cases.
+    """
+    chosen = (_ORT_PROVIDER[provider], dict(provider_options or {}))
+    if provider == "cpu":
+        return [chosen]
+    if provider == "tensorrt":
+        return [chosen, ("CUDAExecutionProvider", dict(cuda_options or {})), "CPUExecutionProvider"]
+    return [chosen, "CPUExecutionProvider"]
+
+
 class OrtEngine:
     """Runs one bundle model through an ``onnxruntime.InferenceSession``."""
 
     def __init__(self, entry: ModelEntry, graph_path: Path, options: EngineOptions = EngineOptions(),
-                 provider_options: dict | None = None) -> None:
+                 provider_options: dict | None = None, cuda_options: dict | None = None) -> None:
         import onnxruntime as ort
 
         check_provider(options.provider)
@@ -62,9 +79,7 @@ class OrtEngine:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if options.optimized_model_path:
             so.optimized_model_filepath = options.optimized_model_path
-        providers: list = [(_ORT_PROVIDER[options.provider], provider_options or {})]
-        if options.provider != "cpu":
-            providers.append("CPUExecutionProvider")  # for the few shape ops GPU EPs leave to CPU
+        providers = session_providers(options.provider, provider_options, cuda_options)
         try:
             self.session = ort.InferenceSession(str(graph_path), so, providers=providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types

@@ -3,32 +3,38 @@
 The CPU engine (engines/ort.py) copies the cache every step when the provider is
 a GPU; this one never moves cache bytes across PCIe:
 
-* :class:`DeviceKVCache` holds one preallocated device buffer per layer and per
-  K/V (``OrtValue.ortvalue_from_shape_and_type(..., "cuda", device_id)``),
-  ``[max_context, n_kv_heads, head_dim]``, position-major like the CPU cache.
-* Each forward binds ``past_key.i`` to the buffer's base pointer with shape
-  ``[P, kvh, hd]`` and ``new_key.i`` to ``base + P * row_bytes`` with shape
-  ``[n, kvh, hd]``: the graph reads the prefix in place and writes the new
-  tokens' K/V right after it. Rollback is the loop's length change.
-* Fused-GQA graphs (``attention == "gqa"``) keep a head-major cache that is bound
-  whole as both ``past_*`` and ``present_*``; GQA writes the new positions in place
-  from ``seqlens_k``. ORT's CUDA GQA kernel is fp16/bf16 only, so fp32 GQA graphs
-  are refused on the GPU rather than silently run on the CPU EP.
+* :class:`DeviceKVCache` is one preallocated device block (engines/device.py's
+  :class:`CacheBlock`): per layer and per K/V a 256-byte aligned segment,
+  ``[max_context, n_kv_heads, head_dim]`` (position-major) or
+  ``[1, n_kv_heads, max_context, head_dim]`` (head-major, fused GQA).
+* Each forward binds ``past_key.i`` to the segment's base with shape
+  ``[P, kvh, hd]`` and ``new_key.i`` to position ``P``: the graph reads the prefix
+  in place and writes the new tokens' K/V right after it. When ``P * row_bytes``
+  is not a multiple of 256 (TensorRT's address rule, which ORT's TensorRT EP
+  passes through), the new rows are bound to an aligned staging block and moved
+  into the cache with one strided device copy (cuda-python) on the engine's stream.
+  Rollback is the loop's length change.
+* Fused-GQA graphs (``attention == "gqa"``) bind each head-major segment whole as
+  both ``past_*`` and ``present_*``; GQA writes the new positions in place from
+  ``seqlens_k`` (ORT GenAI's past_present_share_buffer). ORT's CUDA GQA kernel is
+  fp16/bf16 only, so fp32 GQA graphs are refused on the GPU rather than silently
+  run on the CPU EP.
 * The n ids, n positions and ``num_logits`` are bound from CPU memory; ORT
-  copies those few bytes in (its Python IO binding does not take pinned host
-  memory). Logits are bound to a preallocated host buffer: the graph emits only
-  the ``num_logits`` rows the loop asked for, and ORT copies exactly those.
-* With the TensorRT EP the explicit profiles recorded in the bundle bound n;
-  a longer forward (a long prompt, a draft catching up) runs in chunks. The
-  session is built by OrtEngine (TensorRT, then CPU for host-side shape ops),
-  so only graphs TensorRT parses whole (fp32/fp16, not MatMulNBits) belong here.
-* Provider "cpu" runs the very same binding code on host buffers: that is how
-  CI exercises it without a GPU.
+  copies those few bytes in. Logits are bound to a preallocated host buffer: the
+  graph emits only the ``num_logits`` rows the loop asked for, and ORT copies
+  exactly those. With an engine built from the TensorRT rewrite
+  (export/trt_graph.py) ``num_logits_to_keep`` is bound as a device tensor whose
+  *length* is the row count, so the TensorRT EP reads no shape tensor back.
+* Under the TensorRT EP the session's providers are TensorRT, CUDA, CPU: a node
+  TensorRT declines stays on the device. The explicit profiles recorded in the
+  bundle bound n; a longer forward runs in chunks.
+* Provider "cpu" runs the very same binding, staging and copy code on host
+  buffers: that is how CI exercises it without a GPU.
 * When cuda-python is installed each engine gets its own non-blocking CUDA
-  stream (provider option ``user_compute_stream``), so a draft and a target
-  session do not serialise on one stream; without it ORT picks the stream.
+  stream (``user_compute_stream`` for every GPU EP of the session), so a draft
+  and a target session do not serialise on one stream.
 
-Not verified on hardware here (no GPU in CI); see docs/GPU.md.
+Not verified on hardware (no GPU has run it); see docs/GPU.md.
 """
 
 from __future__ import annotations
@@ -37,31 +43,54 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, InvalidParameterError
+from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError
 from ..manifest import ModelEntry, resolve_inside
 from .base import EngineOptions, KVCache
+from .device import ALIGNMENT, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
 from .ort import OrtEngine, check_provider
-from .tensorrt import (REBUILD_HINT, bundle_engine_record, check_engine_compatible, check_tensorrt_graph, cuda_call,
-                       forward_in_chunks, import_cudart, runtime_facts, verify_record_file)
+from .tensorrt import (REBUILD_HINT, EngineRecord, bundle_engine_record, check_engine_compatible,
+                       check_tensorrt_graph, cuda_call, forward_in_chunks, import_cudart, runtime_facts,
+                       verify_record_file)
 
 # Provider options that name folders; the bundle records them relative to its root.
 _PATH_OPTIONS = ("trt_engine_cache_path", "trt_timing_cache_path")
 
 
-class DeviceKVCache(KVCache):
-    """KVCache interface over ORT-allocated device buffers.
+class DeviceBuffer:
+    """One ORT-allocated block on ``device`` whose usable start is 256-byte aligned.
 
-    ``keys[i]`` / ``values[i]``: OrtValue on ``device:device_id`` ("cuda"; "cpu" runs
-    the same code on host buffers, which is how CI tests it without a GPU), shaped
-    like :class:`KVCache` for its layout: ``[capacity, n_kv_heads, head_dim]``
-    (position-major) or ``[1, n_kv_heads, capacity, head_dim]`` (head-major, fused GQA).
-    Allocated once; ``length`` is the committed prefix.
+    ORT's CUDA allocator aligns to 256 already; its CPU allocator (the CI mode) to 64,
+    so the block carries ALIGNMENT bytes of slack and ``ptr`` is rounded up.
+    """
+
+    def __init__(self, nbytes: int, device: str, device_id: int) -> None:
+        import onnxruntime as ort
+
+        self.nbytes = int(nbytes)
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type([self.nbytes + ALIGNMENT], np.uint8, device,
+                                                               device_id)
+        self.ptr = align_up(self.value.data_ptr())
+
+    def host_bytes(self) -> np.ndarray:
+        """A host copy of the usable bytes (the whole block: tests and debugging only)."""
+        raw = self.value.numpy()
+        skip = self.ptr - self.value.data_ptr()
+        return raw[skip:skip + self.nbytes]
+
+
+class DeviceKVCache(KVCache):
+    """KVCache interface over one aligned device block (see :class:`specedge.engines.device.CacheBlock`).
+
+    ``keys[i]`` / ``values[i]``: the device address (int) of layer i's K / V segment on
+    ``device:device_id`` ("cuda"; "cpu" runs the same code on host memory, which is how
+    CI tests it). Each segment is shaped like :class:`KVCache` for its layout:
+    ``[capacity, n_kv_heads, head_dim]`` (position-major) or
+    ``[1, n_kv_heads, capacity, head_dim]`` (head-major, fused GQA). Allocated once;
+    ``length`` is the committed prefix.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
                  device: str = "cuda", device_id: int = 0, layout: str = "position-major") -> None:
-        import onnxruntime as ort
-
         self.dtype = np.dtype(dtype)
         self.device = device
         self.device_id = device_id
@@ -71,24 +100,28 @@ class DeviceKVCache(KVCache):
         self.row_bytes = n_kv_heads * head_dim * self.dtype.itemsize  # position-major: bytes per position
         self.capacity = capacity
         self.length = 0
-
-        def alloc():
-            return ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), self.dtype.type, device, device_id)
-
-        self.keys = [alloc() for _ in range(n_layers)]
-        self.values = [alloc() for _ in range(n_layers)]
+        self.block = CacheBlock(n_layers, self.row_bytes, capacity)
+        self.buffer = DeviceBuffer(self.block.nbytes, device, device_id)
+        self.base = self.buffer.ptr
+        self.keys = [self.base + self.block.key_offset(i) for i in range(n_layers)]
+        self.values = [self.base + self.block.value_offset(i) for i in range(n_layers)]
 
     def key_ptr(self, layer: int, position: int = 0) -> int:
-        """Address of ``position`` (position-major; head-major buffers are bound whole, at position 0)."""
-        return self.keys[layer].data_ptr() + position * self.row_bytes
+        """Address of ``position`` (position-major; head-major segments are bound whole, at position 0)."""
+        return self.base + self.block.key_offset(layer, position)
 
     def value_ptr(self, layer: int, position: int = 0) -> int:
-        return self.values[layer].data_ptr() + position * self.row_bytes
+        return self.base + self.block.value_offset(layer, position)
 
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of one layer's committed K and V (copies the whole buffer; tests only)."""
+        """Copies of one layer's committed K and V (copies the whole block; tests only)."""
+        raw = self.buffer.host_bytes()
         committed = np.s_[:self.length] if self.layout == "position-major" else np.s_[:, :, :self.length]
-        return self.keys[layer].numpy()[committed].copy(), self.values[layer].numpy()[committed].copy()
+        out = []
+        for offset in (self.block.key_offset(layer), self.block.value_offset(layer)):
+            size = self.capacity * self.row_bytes
+            out.append(raw[offset:offset + size].view(self.dtype).reshape(self.shape)[committed].copy())
+        return out[0], out[1]
 
     @property
     def nbytes(self) -> int:
@@ -112,18 +145,39 @@ def own_stream(device_id: int) -> int | None:
     return int(cuda_call(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
 
 
+def row_copier(device: str, stream: int | None, row_bytes: int) -> RowCopier | None:
+    """How staged K/V rows reach the cache on ``device``; None when rows never need staging.
+
+    Raises BackendUnavailableError on a GPU without cuda-python when rows do need it.
+    """
+    if row_bytes % ALIGNMENT == 0:
+        return None
+    if device == "cpu":
+        return HostCopier()
+    try:
+        cudart = import_cudart()
+    except BackendUnavailableError:
+        raise BackendUnavailableError(
+            f"this model's cache rows are {row_bytes} bytes, not a multiple of {ALIGNMENT}: new K/V rows at some "
+            "positions must be staged and copied into the cache, which needs cuda-python "
+            "(pip install cuda-python), or export with --attention gqa for the cuda provider") from None
+    return CudartCopier(cudart, stream)
+
+
 class OrtCudaEngine(OrtEngine):
     """One bundle model on ORT's CUDA or TensorRT EP with a :class:`DeviceKVCache`.
 
     ``provider_options``: options for the chosen EP (for TensorRT, the explicit
     profiles and engine cache the bundle records). ``max_tokens``: the largest n
     one session run may take (the TensorRT profiles' maximum); None = unbounded.
-    ``stream``: a CUDA stream handle for both GPU EPs of this session, or None.
+    ``stream``: a CUDA stream handle for every GPU EP of this session, or None.
+    ``logits_rows_from_shape``: the graph is the TensorRT rewrite, whose
+    ``num_logits_to_keep`` carries the row count as its length (export/trt_graph.py).
     """
 
     def __init__(self, entry: ModelEntry, graph_path: Path, options: EngineOptions = EngineOptions(provider="cuda"),
                  provider_options: dict | None = None, *, max_tokens: int | None = None,
-                 stream: int | None = None) -> None:
+                 stream: int | None = None, logits_rows_from_shape: bool = False) -> None:
         if options.provider == "tensorrt":
             check_tensorrt_graph(entry)
         elif options.provider == "cuda" and entry.attention == "gqa" and entry.kv_dtype == "float32":
@@ -135,9 +189,16 @@ class OrtCudaEngine(OrtEngine):
         gpu = {} if options.provider == "cpu" else {"device_id": str(options.device_id)}
         if stream is not None:
             gpu["user_compute_stream"] = str(stream)
-        super().__init__(entry, graph_path, options, {**gpu, **(provider_options or {})})
+        device = "cpu" if options.provider == "cpu" else "cuda"
+        row_bytes = entry.n_kv_heads * entry.head_dim * np.dtype(entry.kv_dtype).itemsize
+        # Fused GQA binds whole segments (always aligned); only position-major new rows may need staging.
+        self._copier = None if entry.attention == "gqa" else row_copier(device, stream, row_bytes)
+        super().__init__(entry, graph_path, options, {**gpu, **(provider_options or {})}, cuda_options=gpu)
         self.max_tokens = max_tokens
         self.stream = stream
+        self.logits_rows_from_shape = logits_rows_from_shape
+        self._staging: tuple[CacheBlock, DeviceBuffer] | None = None
+        self._rows: DeviceBuffer | None = None  # the rewrite's row-count tensor (its bytes are never read)
         self._logits_host = np.empty((1, entry.output_size), np.float32)  # grows to the largest num_logits seen
 
     def new_cache(self) -> DeviceKVCache:
@@ -146,39 +207,68 @@ class OrtCudaEngine(OrtEngine):
                              self.options.device_id, "head-major" if self._gqa else "position-major")
 
     def forward(self, input_ids: np.ndarray, kv: DeviceKVCache, num_logits: int = 1) -> np.ndarray:
-        """Run n new tokens; returns float32 ``[num_logits, vocab]``, a view valid until the next call."""
+        """Run n new tokens; returns float32 ``[num_logits, output_size]``, a view valid until the next call."""
         if not isinstance(kv, DeviceKVCache) or kv.device != self._device:
             raise InvalidParameterError("OrtCudaEngine.forward needs the cache from its own new_cache()")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
         return forward_in_chunks(self._run_device, ids, kv, num_logits, self.max_tokens)
 
+    def _staging_for(self, n: int) -> tuple[CacheBlock, int] | None:
+        """The staging block, grown to ``n`` rows per layer (once per new largest n; prefill sizes it)."""
+        if self._copier is None:
+            return None
+        if self._staging is None or self._staging[0].capacity < n:
+            e = self.entry
+            block = CacheBlock(e.n_layers, e.n_kv_heads * e.head_dim * self._kv_dtype.itemsize, n)
+            self._staging = (block, DeviceBuffer(block.nbytes, self._device, self.options.device_id))
+        return self._staging[0], self._staging[1].ptr
+
+    def _bind(self, binding, name: str, shape: list[int], ptr: int, output: bool = False) -> None:
+        """Bind a device tensor; every device address is 256-byte aligned (TensorRT's rule)."""
+        if not is_aligned(ptr):
+            raise BackendUnavailableError(f"{name} would be bound at {ptr:#x}, not {ALIGNMENT}-byte aligned")
+        bind = binding.bind_output if output else binding.bind_input
+        dtype = np.int64 if name == self.entry.io.num_logits else self._kv_dtype.type
+        bind(name, self._device, self.options.device_id, dtype, shape, ptr)
+
     def _run_device(self, ids: np.ndarray, kv: DeviceKVCache, num_logits: int) -> np.ndarray:
-        e, io, device, dev = self.entry, self.entry.io, self._device, self.options.device_id
+        e, io = self.entry, self.entry.io
         n, start = int(ids.shape[0]), kv.length
         binding = self.session.io_binding()
         binding.bind_cpu_input(io.input_ids, ids.reshape(1, n))
         binding.bind_cpu_input(io.positions, np.arange(start, start + n, dtype=np.int64).reshape(1, n))
-        binding.bind_cpu_input(io.num_logits, np.array([num_logits], np.int64))
-        kv_type = self._kv_dtype.type
+        if self.logits_rows_from_shape:  # the row count is the tensor's length: nothing to read back
+            if self._rows is None or self._rows.nbytes < 8 * num_logits:
+                self._rows = DeviceBuffer(8 * max(num_logits, self.max_tokens or 1), self._device,
+                                          self.options.device_id)
+            self._bind(binding, io.num_logits, [num_logits], self._rows.ptr)
+        else:
+            binding.bind_cpu_input(io.num_logits, np.array([num_logits], np.int64))
+        rows = None
         if self._gqa:
             # One buffer is both past and present: GQA reads [0, start) and writes [start, start+n).
             binding.bind_cpu_input(io.seqlens_k, np.array([start + n - 1], np.int32))
             binding.bind_cpu_input(io.total_sequence_length, np.array(start + n, np.int32))
-            past_shape = new_shape = list(kv.shape)
-            new_at = 0
+            for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
+                for past, new, ptr in ((pk, nk, kv.key_ptr(layer)), (pv, nv, kv.value_ptr(layer))):
+                    self._bind(binding, past, list(kv.shape), ptr)
+                    self._bind(binding, new, list(kv.shape), ptr, output=True)
         else:
-            past_shape, new_shape, new_at = [start, e.n_kv_heads, e.head_dim], [n, e.n_kv_heads, e.head_dim], start
-        for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
-            binding.bind_input(pk, device, dev, kv_type, past_shape, kv.key_ptr(layer))
-            binding.bind_input(pv, device, dev, kv_type, past_shape, kv.value_ptr(layer))
-            binding.bind_output(nk, device, dev, kv_type, new_shape, kv.key_ptr(layer, new_at))
-            binding.bind_output(nv, device, dev, kv_type, new_shape, kv.value_ptr(layer, new_at))
+            past_shape, new_shape = [start, e.n_kv_heads, e.head_dim], [n, e.n_kv_heads, e.head_dim]
+            rows = NewRows(kv.block, kv.base, start, n, self._staging_for(n), self._copier or HostCopier())
+            for layer, ((pk, pv), (nk, nv)) in enumerate(zip(self._past_names, self._new_names)):
+                self._bind(binding, pk, past_shape, kv.key_ptr(layer))  # the committed prefix, read in place
+                self._bind(binding, pv, past_shape, kv.value_ptr(layer))
+                self._bind(binding, nk, new_shape, rows.bind_key(layer), output=True)  # right after it, or staged
+                self._bind(binding, nv, new_shape, rows.bind_value(layer), output=True)
         if self._logits_host.shape[0] < num_logits:
             self._logits_host = np.empty((num_logits, e.output_size), np.float32)
         # The first num_logits rows of the host buffer are contiguous: ORT copies just those rows out.
         binding.bind_output(io.logits, "cpu", 0, np.float32, [1, num_logits, e.output_size],
                             self._logits_host.ctypes.data)
         self.session.run_with_iobinding(binding)
+        if rows is not None:
+            rows.land()  # on the session's stream (user_compute_stream), so the next run reads the landed rows
         kv.length = start + n
         return self._logits_host[:num_logits]
 
@@ -192,6 +282,30 @@ def resolve_provider_options(options: dict[str, str], root: Path) -> dict[str, s
     return out
 
 
+def check_ort_trt_engine_file(root: Path, record: EngineRecord, role: str) -> None:
+    """The EP's engine file must exist and match the record's sha256, whatever else lies in the cache folder.
+
+    Records that name their file are checked against it. Older records (no ``engine_file``)
+    need exactly one file with the record's key: none means the EP would rebuild for
+    minutes, several mean a stale or foreign engine could be the one loaded.
+    """
+    if record.engine_file:
+        path = resolve_inside(root, record.engine_file)
+        if not path.is_file():
+            raise BackendUnavailableError(f"the {role} TensorRT EP engine {record.engine_file} is missing; "
+                                          f"{REBUILD_HINT}")
+        verify_record_file(root, record, path, role)
+        return
+    found = sorted(resolve_inside(root, record.file).glob(f"{record.cache_key}*.engine"))
+    if len(found) != 1:
+        what = "no engine file" if not found else f"{len(found)} engine files"
+        raise ChecksumError(f"the {role} TensorRT EP cache {record.file} holds {what} for key {record.cache_key}, "
+                            f"so the recorded sha256 cannot be checked; {REBUILD_HINT}")
+    if not record.sha256:
+        raise ChecksumError(f"the {role} TensorRT EP engine has no recorded sha256; {REBUILD_HINT}")
+    verify_record_file(root, record, found[0], role)
+
+
 def create_ort_gpu_engine(entry: ModelEntry, graph: Path, options: EngineOptions) -> OrtCudaEngine:
     """The ``onnxruntime-gpu`` backend. TensorRT needs the engine the bundle records for this model."""
     _require_gpu_provider(options)
@@ -202,9 +316,8 @@ def create_ort_gpu_engine(entry: ModelEntry, graph: Path, options: EngineOptions
         raise BackendUnavailableError(f"the bundle has no TensorRT EP engine for its {role} model; without explicit "
                                       f"profiles ORT would rebuild the engine as shapes grow; {REBUILD_HINT}")
     check_engine_compatible(record, runtime_facts(options.device_id), role)
-    cache = resolve_inside(root, record.file)
-    engine_files = sorted(cache.glob(f"{record.cache_key}*.engine"))
-    if len(engine_files) == 1:
-        verify_record_file(root, record, engine_files[0], role)
-    return OrtCudaEngine(entry, graph, options, resolve_provider_options(record.provider_options, root),
-                         max_tokens=record.max_new_tokens(entry.io), stream=own_stream(options.device_id))
+    check_ort_trt_engine_file(root, record, role)
+    source = resolve_inside(root, record.graph) if record.graph else graph
+    return OrtCudaEngine(entry, source, options, resolve_provider_options(record.provider_options, root),
+                         max_tokens=record.max_new_tokens(entry.io), stream=own_stream(options.device_id),
+                         logits_rows_from_shape=bool(record.graph))

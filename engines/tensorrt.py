@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ManifestError, ModelLoadError
 from ..manifest import ModelEntry, ModelIO, _get, _relpath, load_manifest, resolve_inside, sha256_file
 from .base import EngineOptions, KVCache
+from .device import ALIGNMENT, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
 
 ROUTES = ("ort-trt", "native")  # ONNX Runtime's TensorRT EP with its engine cache, or a plan we build ourselves
 TRT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -195,6 +196,11 @@ class EngineRecord:
     cache_key: str
     provider_options: dict[str, str] = field(default_factory=dict)  # ort-trt: EP options, cache paths relative
     onnxruntime_version: str = ""  # ort-trt: the EP's cache layout follows ONNX Runtime's version
+    # ort-trt: the bundle-relative .engine file the EP wrote, whose sha256 is ``sha256``
+    # ("" in records written before it was recorded: then exactly one file must match the key).
+    engine_file: str = ""
+    # The graph the engine was built from, when not the model's own (the TensorRT rewrite; export/trt_graph.py).
+    graph: str = ""
 
     def __post_init__(self) -> None:
         if self.route not in ROUTES:
@@ -214,7 +220,8 @@ class EngineRecord:
                 "compute_capability": self.compute_capability, "precision": self.precision,
                 "profiles": [p.to_json() for p in self.profiles], "file": self.file, "sha256": self.sha256,
                 "cache_key": self.cache_key, "provider_options": dict(self.provider_options),
-                "onnxruntime_version": self.onnxruntime_version}
+                "onnxruntime_version": self.onnxruntime_version, "engine_file": self.engine_file,
+                "graph": self.graph}
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "extra.engines") -> "EngineRecord":
@@ -231,9 +238,16 @@ class EngineRecord:
             return cls(**text, file=_relpath(_get(obj, "file", where, str), f"{where}.file"),
                        profiles=tuple(Profile.from_json(p, f"{where}.profiles[{i}]") for i, p in enumerate(profiles)),
                        provider_options=dict(options),
-                       onnxruntime_version=_get(obj, "onnxruntime_version", where, str, optional=True, default=""))
+                       onnxruntime_version=_get(obj, "onnxruntime_version", where, str, optional=True, default=""),
+                       engine_file=_optional_relpath(obj, "engine_file", where),
+                       graph=_optional_relpath(obj, "graph", where))
         except InvalidParameterError as exc:
             raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+def _optional_relpath(obj: dict, key: str, where: str) -> str:
+    value = _get(obj, key, where, str, optional=True, default="")
+    return _relpath(value, f"{where}.{key}") if value else ""
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,7 @@ class RuntimeFacts:
     tensorrt_version: str | None
     gpu_name: str | None
     compute_capability: str | None
+    onnxruntime_version: str | None = None  # compared for the ort-trt route only
 
 
 def tensorrt_graph_problem(attention: str, precision: str, role: str = "model") -> str | None:
@@ -267,6 +282,11 @@ def major_minor_patch(version: str) -> str:
     return ".".join(version.split(".")[:3])
 
 
+def major_minor(version: str) -> str:
+    """'1.31.1' -> '1.31': ONNX Runtime's patch releases keep the TensorRT EP's cache layout."""
+    return ".".join(version.split(".")[:2])
+
+
 def check_engine_compatible(record: EngineRecord, facts: RuntimeFacts, role: str = "model") -> None:
     """Raise BackendUnavailableError when this machine cannot run the recorded engine.
 
@@ -274,12 +294,17 @@ def check_engine_compatible(record: EngineRecord, facts: RuntimeFacts, role: str
     hardware-compatible (specedge does not), to one GPU model. A fact this machine
     cannot determine (None) or the builder did not record ("") is not compared.
     """
-    checks = (
+    checks = [
         ("TensorRT", record.tensorrt_version and major_minor_patch(record.tensorrt_version),
          facts.tensorrt_version and major_minor_patch(facts.tensorrt_version)),
         ("compute capability", record.compute_capability, facts.compute_capability),
         ("GPU", record.gpu_name, facts.gpu_name),
-    )
+    ]
+    if record.route == "ort-trt":
+        # The EP names and validates its cache files its own way, which has changed between ONNX Runtime
+        # releases; another release may ignore the cache and rebuild for minutes inside the bundle.
+        checks.append(("ONNX Runtime", record.onnxruntime_version and major_minor(record.onnxruntime_version),
+                       facts.onnxruntime_version and major_minor(facts.onnxruntime_version)))
     for what, built, here in checks:
         if built and here and built != here:
             raise BackendUnavailableError(
@@ -303,27 +328,6 @@ def import_tensorrt():
         raise BackendUnavailableError(f"TensorRT {trt.__version__} is too old: specedge graphs take int64 inputs, "
                                       f"which TensorRT supports from {MIN_TENSORRT_MAJOR}.0")
     return trt
-
-
-def import_cudart():
-    """cuda-python's runtime module (new and old import paths), or BackendUnavailableError."""
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            raise BackendUnavailableError("cuda-python is not installed (pip install cuda-python); the native "
-                                          "TensorRT engine allocates its device buffers through it") from None
-    return cudart
-
-
-def cuda_call(result: tuple, what: str) -> Any:
-    """Unwrap a cuda-python ``(error, *values)`` result; raise on any error."""
-    err, *values = result
-    if int(err) != 0:  # cudaSuccess
-        raise BackendUnavailableError(f"{what} failed: {err}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _libnvinfer_version() -> str | None:
@@ -400,7 +404,14 @@ def _gpu_facts(device_id: int) -> tuple[str | None, str | None]:
 
 def runtime_facts(device_id: int = 0) -> RuntimeFacts:
     name, capability = _gpu_facts(device_id)
-    return RuntimeFacts(tensorrt_version=tensorrt_version(), gpu_name=name, compute_capability=capability)
+    try:
+        import onnxruntime as ort
+
+        ort_version: str | None = str(ort.__version__)
+    except ImportError:
+        ort_version = None
+    return RuntimeFacts(tensorrt_version=tensorrt_version(), gpu_name=name, compute_capability=capability,
+                        onnxruntime_version=ort_version)
 
 
 def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, EngineRecord | None]:
@@ -421,10 +432,11 @@ def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, Eng
 
 
 class CudaKVCache(KVCache):
-    """KVCache interface over ``cudaMalloc`` buffers, ``[capacity, n_kv_heads, head_dim]`` per layer.
+    """KVCache interface over one ``cudaMalloc`` block, ``[capacity, n_kv_heads, head_dim]`` per layer and K/V.
 
-    ``keys[i]`` / ``values[i]`` are device pointers (int). Position-major, so the
-    committed prefix is contiguous and position p starts ``p * row_bytes`` in.
+    ``keys[i]`` / ``values[i]`` are device pointers (int), each 256-byte aligned (the
+    block's layout is :class:`specedge.engines.device.CacheBlock`). Position-major, so
+    the committed prefix is contiguous and position p starts ``p * row_bytes`` in.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
@@ -436,20 +448,21 @@ class CudaKVCache(KVCache):
         self.row_bytes = n_kv_heads * head_dim * self.dtype.itemsize
         self.capacity = capacity
         self.length = 0
-        size = capacity * self.row_bytes
-        self.keys = [cuda_call(cudart.cudaMalloc(size), "cudaMalloc(KV cache)") for _ in range(n_layers)]
-        self.values = [cuda_call(cudart.cudaMalloc(size), "cudaMalloc(KV cache)") for _ in range(n_layers)]
+        self.block = CacheBlock(n_layers, self.row_bytes, capacity)
+        self.base = int(cuda_call(cudart.cudaMalloc(self.block.nbytes), "cudaMalloc(KV cache)"))
+        self.keys = [self.base + self.block.key_offset(i) for i in range(n_layers)]
+        self.values = [self.base + self.block.value_offset(i) for i in range(n_layers)]
 
     def key_ptr(self, layer: int, position: int = 0) -> int:
-        return int(self.keys[layer]) + position * self.row_bytes
+        return self.base + self.block.key_offset(layer, position)
 
     def value_ptr(self, layer: int, position: int = 0) -> int:
-        return int(self.values[layer]) + position * self.row_bytes
+        return self.base + self.block.value_offset(layer, position)
 
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the committed ``[:length]`` K and V of one layer (for tests and debugging)."""
         out = []
-        for ptr in (self.keys[layer], self.values[layer]):
+        for ptr in (self.key_ptr(layer), self.value_ptr(layer)):
             host = np.empty((self.length,) + self.shape[1:], self.dtype)
             if host.nbytes:
                 cuda_call(self._cudart.cudaMemcpy(host.ctypes.data, ptr, host.nbytes,
@@ -462,9 +475,9 @@ class CudaKVCache(KVCache):
         return 2 * len(self.keys) * self.capacity * self.row_bytes
 
     def close(self) -> None:
-        for ptr in self.keys + self.values:
-            self._cudart.cudaFree(ptr)
-        self.keys, self.values = [], []
+        if self.base:
+            self._cudart.cudaFree(self.base)
+        self.base, self.keys, self.values = 0, [], []
 
     def __del__(self) -> None:
         try:
@@ -490,8 +503,23 @@ class _Pinned:
             pass
 
 
+def trt_check(ok: Any, what: str) -> None:
+    """TensorRT's setters report failure by returning False (and logging why): make that an error."""
+    if ok is False:
+        raise BackendUnavailableError(f"TensorRT refused {what} (see the TensorRT log above)")
+
+
 class TensorrtEngine:
-    """Runs a serialized TensorRT plan of one bundle model; see :class:`specedge.engines.base.Engine`."""
+    """Runs a serialized TensorRT plan of one bundle model; see :class:`specedge.engines.base.Engine`.
+
+    Every address set with ``set_tensor_address`` is 256-byte aligned (TensorRT's
+    requirement): device buffers come from cudaMalloc, the cache from one aligned
+    block, and new K/V rows at a misaligned position are staged (engines/device.py).
+    ``num_logits_to_keep`` is either a host shape tensor (graphs as exported: its value
+    feeds a Slice; TensorRT reads it from pinned host memory at enqueue, no stream sync)
+    or, in plans built from :func:`specedge.export.trt_graph.logits_rows_from_shape`'s
+    rewrite, an execution tensor whose *length* is the row count (nothing is read back).
+    """
 
     def __init__(self, entry: ModelEntry, plan_path: Path, options: EngineOptions = EngineOptions(),
                  record: EngineRecord | None = None, role: str = "model") -> None:
@@ -515,6 +543,9 @@ class TensorrtEngine:
                                  f"above): corrupt, or built by another TensorRT; {REBUILD_HINT}")
         self._check_io(trt)
         self.context = self.engine.create_execution_context()
+        if self.context is None:
+            raise BackendUnavailableError(f"TensorRT could not create an execution context for {entry.graph} "
+                                          "(out of device memory?)")
         # Each engine owns a stream, so a draft and a target engine can run concurrently on one GPU.
         self.stream = int(cuda_call(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
                                     "cudaStreamCreateWithFlags"))
@@ -522,14 +553,21 @@ class TensorrtEngine:
         self.profiles = tuple(self._read_profile(i) for i in range(self.engine.num_optimization_profiles))
         self.max_tokens = max(p.new_tokens(io)[1] for p in self.profiles)
         self._active_profile = -1
-        # num_logits_to_keep feeds a Slice start, so TensorRT reads it from host memory as a shape tensor.
+        # As exported, num_logits_to_keep feeds a Slice start: a shape tensor TensorRT reads from host memory.
         self._keep_on_host = bool(self.engine.is_shape_inference_io(io.num_logits))
         self._ids = _Pinned(cudart, self.max_tokens, np.int64)
         self._positions = _Pinned(cudart, self.max_tokens, np.int64)
         self._keep = _Pinned(cudart, 1, np.int64)
-        self._ids_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
-        self._positions_dev = cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc")
-        self._keep_dev = cuda_call(cudart.cudaMalloc(8), "cudaMalloc")
+        self._ids_dev = int(cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc"))
+        self._positions_dev = int(cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc"))
+        # The rewritten graph's row-count tensor: only its length matters, its bytes are never read.
+        self._rows_dev = int(cuda_call(cudart.cudaMalloc(self.max_tokens * 8), "cudaMalloc"))
+        row_bytes = entry.n_kv_heads * entry.head_dim * self._kv_dtype.itemsize
+        self._staging = None
+        if row_bytes % ALIGNMENT:  # some positions' rows start misaligned: stage new rows there
+            block = CacheBlock(entry.n_layers, row_bytes, self.max_tokens)
+            self._staging = (block, int(cuda_call(cudart.cudaMalloc(block.nbytes), "cudaMalloc(staging)")))
+        self._copier = CudartCopier(cudart, self.stream)
         # Logits rows for the largest verify; a caller asking for more rows grows them once. Sizing for
         # the prefill limit instead would hold 512 x vocab floats (300 MB at a 150k vocab) twice.
         self._logits_rows = 0
@@ -543,7 +581,7 @@ class TensorrtEngine:
         if self._logits_rows:
             self._cudart.cudaFree(self._logits_dev)
         self._logits = _Pinned(self._cudart, rows * self.output_size, np.float32)
-        self._logits_dev = cuda_call(self._cudart.cudaMalloc(rows * self.output_size * 4), "cudaMalloc")
+        self._logits_dev = int(cuda_call(self._cudart.cudaMalloc(rows * self.output_size * 4), "cudaMalloc"))
         self._logits_rows = rows
 
     def _check_io(self, trt) -> None:
@@ -575,11 +613,19 @@ class TensorrtEngine:
         return CudaKVCache(e.n_layers, e.n_kv_heads, e.head_dim, e.max_context, self._kv_dtype, self._cudart)
 
     def forward(self, input_ids: np.ndarray, kv: CudaKVCache, num_logits: int = 1) -> np.ndarray:
-        """Run n new tokens; returns float32 ``[num_logits, vocab]``, a view valid until the next call."""
+        """Run n new tokens; returns float32 ``[num_logits, output_size]``, a view valid until the next call."""
         if not isinstance(kv, CudaKVCache):
             raise InvalidParameterError("TensorrtEngine.forward needs the cache from its own new_cache()")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
         return forward_in_chunks(self._run, ids, kv, num_logits, self.max_tokens)
+
+    def _bind(self, name: str, ptr: int) -> None:
+        if not is_aligned(ptr):  # TensorRT's rule; the buffers above are built to keep it
+            raise BackendUnavailableError(f"{name} would be bound at {ptr:#x}, not {ALIGNMENT}-byte aligned")
+        trt_check(self.context.set_tensor_address(name, ptr), f"the address of {name}")
+
+    def _shape(self, name: str, shape: tuple[int, ...]) -> None:
+        trt_check(self.context.set_input_shape(name, shape), f"shape {shape} for {name}")
 
     def _run(self, ids: np.ndarray, kv: CudaKVCache, num_logits: int) -> np.ndarray:
         cudart, ctx, io, e = self._cudart, self.context, self.entry.io, self.entry
@@ -589,8 +635,11 @@ class TensorrtEngine:
         profile = select_profile(self.profiles, io, n, start)
         self._grow_logits(num_logits)
         if profile != self._active_profile:
-            if not ctx.set_optimization_profile_async(profile, self.stream):
-                raise BackendUnavailableError(f"TensorRT refused optimization profile {profile}")
+            try:  # the Python binding raises where the C++ API returns false
+                ok = ctx.set_optimization_profile_async(profile, self.stream)
+            except RuntimeError as exc:
+                raise BackendUnavailableError(f"TensorRT refused optimization profile {profile}: {exc}") from None
+            trt_check(ok, f"optimization profile {profile}")
             self._active_profile = profile
         h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._ids.array[:n] = ids
@@ -599,33 +648,38 @@ class TensorrtEngine:
         cuda_call(cudart.cudaMemcpyAsync(self._ids_dev, self._ids.ptr, n * 8, h2d, self.stream), "cudaMemcpyAsync")
         cuda_call(cudart.cudaMemcpyAsync(self._positions_dev, self._positions.ptr, n * 8, h2d, self.stream),
                   "cudaMemcpyAsync")
-        if not self._keep_on_host:
-            cuda_call(cudart.cudaMemcpyAsync(self._keep_dev, self._keep.ptr, 8, h2d, self.stream), "cudaMemcpyAsync")
 
-        ctx.set_input_shape(io.input_ids, (1, n))
-        ctx.set_input_shape(io.positions, (1, n))
-        ctx.set_tensor_address(io.input_ids, int(self._ids_dev))
-        ctx.set_tensor_address(io.positions, int(self._positions_dev))
-        ctx.set_tensor_address(io.num_logits, self._keep.ptr if self._keep_on_host else int(self._keep_dev))
+        self._shape(io.input_ids, (1, n))
+        self._shape(io.positions, (1, n))
+        self._bind(io.input_ids, self._ids_dev)
+        self._bind(io.positions, self._positions_dev)
+        if self._keep_on_host:  # a host shape tensor: TensorRT reads its value at enqueue
+            trt_check(ctx.set_tensor_address(io.num_logits, self._keep.ptr), f"the address of {io.num_logits}")
+        else:  # the rewritten graph: the row count is this tensor's length
+            self._shape(io.num_logits, (num_logits,))
+            self._bind(io.num_logits, self._rows_dev)
         past_shape = (start, e.n_kv_heads, e.head_dim)
+        rows = NewRows(kv.block, kv.base, start, n, self._staging, self._copier)
         for layer, (pk, pv, nk, nv) in enumerate(self._layers):
-            ctx.set_input_shape(pk, past_shape)
-            ctx.set_input_shape(pv, past_shape)
-            ctx.set_tensor_address(pk, kv.key_ptr(layer))  # the committed prefix, read in place
-            ctx.set_tensor_address(pv, kv.value_ptr(layer))
-            ctx.set_tensor_address(nk, kv.key_ptr(layer, start))  # new K/V land right after it
-            ctx.set_tensor_address(nv, kv.value_ptr(layer, start))
-        ctx.set_tensor_address(io.logits, int(self._logits_dev))
+            self._shape(pk, past_shape)
+            self._shape(pv, past_shape)
+            self._bind(pk, kv.key_ptr(layer))  # the committed prefix, read in place
+            self._bind(pv, kv.value_ptr(layer))
+            self._bind(nk, rows.bind_key(layer))  # new K/V: in place right after it, or staged when misaligned
+            self._bind(nv, rows.bind_value(layer))
+        self._bind(io.logits, self._logits_dev)
         if not ctx.execute_async_v3(self.stream):
             raise BackendUnavailableError(f"TensorRT failed to run {e.graph} on {n} tokens after {start} cached "
                                           "(see the TensorRT log above)")
-        rows = num_logits * e.output_size
-        cuda_call(cudart.cudaMemcpyAsync(self._logits.ptr, self._logits_dev, rows * 4,
+        rows.land()  # queued on the same stream, so it follows the run
+        count = num_logits * e.output_size
+        cuda_call(cudart.cudaMemcpyAsync(self._logits.ptr, self._logits_dev, count * 4,
                                          cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
                   "cudaMemcpyAsync")
         cuda_call(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         kv.length = start + n
-        return self._logits.array[:rows].reshape(num_logits, e.vocab_size)
+        # The graph's logits are output_size wide: a truncated draft head scores head_size tokens.
+        return self._logits.array[:count].reshape(num_logits, e.output_size)
 
 
 def create_tensorrt_engine(entry: ModelEntry, graph: Path, options: EngineOptions) -> TensorrtEngine:

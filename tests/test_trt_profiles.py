@@ -527,11 +527,20 @@ class _FakeCudart:
         self.buffers: dict[int, np.ndarray] = {}
 
     def cudaMalloc(self, nbytes):
-        buf = np.zeros(max(1, nbytes), np.uint8)
-        self.buffers[buf.ctypes.data] = buf
-        return 0, buf.ctypes.data
+        """256-byte aligned, as cudaMalloc's blocks are: offsets into them are what can break alignment."""
+        buf = np.zeros(max(1, nbytes) + 256, np.uint8)
+        ptr = -(-buf.ctypes.data // 256) * 256
+        self.buffers[ptr] = buf
+        return 0, ptr
 
     cudaMallocHost = cudaMalloc
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        import ctypes
+
+        for i in range(height):
+            ctypes.memmove(int(dst) + i * dpitch, int(src) + i * spitch, width)
+        return (0,)
 
     def cudaFree(self, ptr):
         self.buffers.pop(int(ptr), None)
@@ -568,7 +577,7 @@ class _FakeContext:
 
     def __init__(self, engine) -> None:
         self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
-        self.profiles_used = []
+        self.profiles_used, self.bound = [], []  # every (name, address) set, in order
 
     def set_optimization_profile_async(self, index, stream):
         self.profile = index
@@ -581,6 +590,7 @@ class _FakeContext:
 
     def set_tensor_address(self, name, ptr):
         self.addresses[name] = int(ptr)
+        self.bound.append((name, int(ptr)))
         return True
 
     def execute_async_v3(self, stream):
