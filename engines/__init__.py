@@ -39,6 +39,24 @@ BACKENDS: dict[str, Callable[[ModelEntry, Path, EngineOptions], Engine]] = {
 }
 
 
+def backend_for(entry: ModelEntry, graph: Path, provider: str) -> str:
+    """The backend that runs ``entry`` on ``provider``: the bundle's engine record decides TensorRT.
+
+    cpu: ``onnxruntime``. cuda: ``onnxruntime-gpu``. tensorrt: ``tensorrt`` when the bundle
+    records a native plan for this model (``export --trt-route native``), else the TensorRT
+    EP through ``onnxruntime-gpu``.
+    """
+    if provider == "cpu":
+        return "onnxruntime"
+    if provider == "tensorrt":
+        from .tensorrt import bundle_engine_record
+
+        record = bundle_engine_record(entry, graph)[2]
+        if record is not None and record.route == "native":
+            return "tensorrt"
+    return "onnxruntime-gpu"
+
+
 def create_engine(entry: ModelEntry, graph: Path, options: EngineOptions = EngineOptions(),
                   backend: str = "onnxruntime") -> Engine:
     """Build the engine for one bundle model. ``graph`` is the resolved .onnx path."""
@@ -49,4 +67,4 @@ def create_engine(entry: ModelEntry, graph: Path, options: EngineOptions = Engin
     return factory(entry, graph, options)
 
 
-__all__ = ["BACKENDS", "Engine", "EngineOptions", "KVCache", "create_engine"]
+__all__ = ["BACKENDS", "backend_for", "Engine", "EngineOptions", "KVCache", "create_engine"]

@@ -42,6 +42,9 @@ TRT_PRECISIONS = ("fp32", "fp16", "int8")
 REBUILD_HINT = "rebuild with `specedge export --engine tensorrt`"
 # specedge graphs take int64 ids/positions; TensorRT accepts int64 network inputs from 10.0.
 MIN_TENSORRT_MAJOR = 10
+# ONNX Runtime's TensorRT EP links libnvinfer.so.10 in every onnxruntime-gpu release this was written
+# against (1.18 .. 1.31); `pip install tensorrt` now gives TensorRT 11, which the EP cannot load.
+ORT_TRT_EP_TENSORRT_MAJOR = 10
 
 
 # --------------------------------------------------------------------------- profiles
@@ -347,6 +350,15 @@ def _libnvinfer_version() -> str | None:
         # NvInferVersion.h: major*10000 + minor*100 + patch from TensorRT 10 (8.x used major*1000).
         return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 100000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
     return None
+
+
+def check_ort_trt_tensorrt(version: str | None) -> None:
+    """Refuse a TensorRT whose major ORT's TensorRT EP does not load (None: unknown, not refused)."""
+    if version and int(version.split(".")[0]) != ORT_TRT_EP_TENSORRT_MAJOR:
+        raise BackendUnavailableError(
+            f"ONNX Runtime's TensorRT EP needs TensorRT {ORT_TRT_EP_TENSORRT_MAJOR}.x but this machine has TensorRT "
+            f"{version}; install TensorRT {ORT_TRT_EP_TENSORRT_MAJOR} next to it (docs/GPU.md), or use "
+            "--trt-route native, which runs on TensorRT 10 and 11")
 
 
 def tensorrt_version() -> str | None:

@@ -36,9 +36,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from ..engines.tensorrt import (ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange, check_engine_compatible,
-                                check_tensorrt_graph, import_cudart, import_tensorrt, major_minor_patch,
-                                runtime_facts, tensorrt_graph_problem)
+                                check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
+                                major_minor_patch, runtime_facts, tensorrt_graph_problem, tensorrt_version)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
+from .trt_graph import logits_rows_from_shape, trt_graph_path
 from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file, write_manifest
 
 # Longer prompts are prefilled in chunks of this many tokens, which is exact (the graph takes any
@@ -57,15 +58,17 @@ __all__ = ["DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Prof
 
 
 def verify_profiles(entry: ModelEntry, max_draft_tokens: int, max_prompt: int, *,
-                    draft_tokens: int | None = None) -> tuple[Profile, ...]:
+                    draft_tokens: int | None = None, logits_rows_from_shape: bool = True) -> tuple[Profile, ...]:
     """Optimization profiles covering every forward the loop makes on ``entry``.
 
     ``step``: n in [1, max_draft_tokens + 1], tuned for n = draft_tokens + 1 (a verify;
     decode and draft steps are n = 1); past length in [0, max_context - 1].
     ``prefill``: n in [1, max_prompt], past in [0, max_context - 1], tuned for past 0
     (a prompt; also a draft catching up after plain steps, or one chunk of a long prompt).
-    Only ``step`` when max_prompt fits in it. ``num_logits_to_keep`` gets *values*
-    ranges, since TensorRT treats it as a shape tensor.
+    Only ``step`` when max_prompt fits in it. ``num_logits_to_keep`` gets a dims range
+    in the rewritten graph (``logits_rows_from_shape``: its length is the row count;
+    export/trt_graph.py), or a *values* range in the graph as exported, where TensorRT
+    treats it as a shape tensor.
     """
     check_tensorrt_graph(entry)  # the shapes below are the standard graph's inputs
     io, ctx = entry.io, entry.max_context
@@ -88,7 +91,10 @@ def verify_profiles(entry: ModelEntry, max_draft_tokens: int, max_prompt: int, *
         for i in range(entry.n_layers):
             shapes[io.past_key % i] = past
             shapes[io.past_value % i] = past
-        return Profile(name, shapes, {io.num_logits: ShapeRange((1,), (keep_opt,), (n[2],))})
+        keep = ShapeRange((1,), (keep_opt,), (n[2],))
+        if logits_rows_from_shape:
+            return Profile(name, {**shapes, io.num_logits: keep})
+        return Profile(name, shapes, {io.num_logits: keep})
 
     step_max = max_draft_tokens + 1
     step = profile("step", (1, k + 1, step_max), ctx // 2, k + 1)
@@ -183,6 +189,10 @@ def engine_paths(graph: str, cache_key: str) -> EnginePaths:
 # --------------------------------------------------------------------------- builders
 
 
+def tensorrt_major(trt) -> int:
+    return int(str(trt.__version__).split(".")[0])
+
+
 def build_trt_engine(onnx_path: Path, out_path: Path, profiles: tuple[Profile, ...] | list[Profile],
                      precision: str = "fp16", *, graph_dtype: str = "float32",
                      workspace_bytes: int | None = None) -> Path:
@@ -190,17 +200,28 @@ def build_trt_engine(onnx_path: Path, out_path: Path, profiles: tuple[Profile, .
 
     When the engine precision is the graph's own, the network is strongly typed so
     TensorRT keeps the graph's fp32 islands (RMSNorm, softmax) in fp16 graphs. An fp32
-    graph built at fp16 needs weak typing (BuilderFlag.FP16), which newer TensorRT
-    releases drop; then export the bundle at fp16 instead.
+    graph built at fp16 needs weak typing (BuilderFlag.FP16), which TensorRT 10 has and
+    TensorRT 11 dropped (every network is strongly typed there, and has no
+    ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` to ask for it): on 11 that build
+    is refused before any work, naming the fix (export the bundle at fp16).
     """
     if precision not in TRT_PRECISIONS:
         raise InvalidParameterError(f"precision must be one of {', '.join(TRT_PRECISIONS)}; got {precision!r}")
     trt = import_tensorrt()
+    weak = precision != _GRAPH_PRECISION.get(graph_dtype)
+    major = tensorrt_major(trt)
+    missing = [name for name in {"fp16": ["FP16"], "int8": ["INT8", "FP16"]}.get(precision, [])
+               if getattr(trt.BuilderFlag, name, None) is None]
+    if weak and (major >= 11 or missing):
+        raise InvalidParameterError(f"TensorRT {trt.__version__} builds only strongly typed networks, so an "
+                                    f"{graph_dtype} graph cannot become a {precision} engine; export the bundle "
+                                    f"with --precision {precision}")
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    weak = precision != _GRAPH_PRECISION.get(graph_dtype)
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    network = builder.create_network(1 << int(strongly_typed) if not weak and strongly_typed is not None else 0)
+    # TensorRT 10: ask for strong typing when the graph's own precision is wanted. 11: it is the only mode.
+    flags = 1 << int(strongly_typed) if not weak and strongly_typed is not None and major < 11 else 0
+    network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):  # reads external data next to the graph
         errors = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
@@ -208,14 +229,10 @@ def build_trt_engine(onnx_path: Path, out_path: Path, profiles: tuple[Profile, .
     config = builder.create_builder_config()
     if weak:
         for name in ({"fp16": ["FP16"], "int8": ["INT8", "FP16"]}.get(precision, [])):
-            flag = getattr(trt.BuilderFlag, name, None)
-            if flag is None:
-                raise InvalidParameterError(f"TensorRT {trt.__version__} builds only strongly typed networks, so "
-                                            f"an {graph_dtype} graph cannot become a {precision} engine; export the "
-                                            f"bundle with --precision {precision}")
-            config.set_flag(flag)
-    if precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
-        config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: TF32's 10-bit mantissa flips greedy near-ties
+            config.set_flag(getattr(trt.BuilderFlag, name))
+    tf32 = getattr(trt.BuilderFlag, "TF32", None)
+    if precision == "fp32" and tf32 is not None:
+        config.clear_flag(tf32)  # fp32 means fp32: TF32's 10-bit mantissa flips greedy near-ties
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     shape_inputs = {network.get_input(i).name for i in range(network.num_inputs)
@@ -239,28 +256,33 @@ def build_trt_engine(onnx_path: Path, out_path: Path, profiles: tuple[Profile, .
     return out_path
 
 
-def _build_ort_trt(bundle: Path, entry: ModelEntry, profiles: tuple[Profile, ...], precision: str, key: str,
-                   paths: EnginePaths, facts, device_id: int, workspace_bytes: int | None) -> EngineRecord:
-    """Let ORT's TensorRT EP build and cache its engine inside the bundle by running the model once."""
+def _build_ort_trt(bundle: Path, entry: ModelEntry, graph: str, profiles: tuple[Profile, ...], precision: str,
+                   key: str, paths: EnginePaths, facts, device_id: int, workspace_bytes: int | None) -> EngineRecord:
+    """Let ORT's TensorRT EP build and cache its engine inside the bundle by running ``graph`` once."""
     import onnxruntime as ort
 
     from ..engines.base import EngineOptions
     from ..engines.ort_cuda import OrtCudaEngine, resolve_provider_options
 
     merged = merge_profiles(profiles)
-    (bundle / paths.ort_cache_dir).mkdir(parents=True, exist_ok=True)
+    cache_dir = bundle / paths.ort_cache_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
     options = ort_trt_provider_options([merged], cache_dir=paths.ort_cache_dir, cache_prefix=key,
                                        precision=precision, workspace_bytes=workspace_bytes)
-    engine = OrtCudaEngine(entry, resolve_inside(bundle, entry.graph),
-                           EngineOptions(provider="tensorrt", device_id=device_id),
-                           resolve_provider_options(options, bundle), max_tokens=merged.new_tokens(entry.io)[1])
+    engine = OrtCudaEngine(entry, resolve_inside(bundle, graph), EngineOptions(provider="tensorrt", device_id=device_id),
+                           resolve_provider_options(options, bundle), max_tokens=merged.new_tokens(entry.io)[1],
+                           logits_rows_from_shape=True)
     engine.forward(np.zeros(1, np.int64), engine.new_cache(), 1)  # the EP builds and caches its engine on first run
     del engine
-    built = sorted((bundle / paths.ort_cache_dir).glob(f"{key}*.engine"))
+    built = sorted(cache_dir.glob(f"{key}*.engine"))
+    if len(built) != 1:  # one merged profile, one engine: anything else and the record could name the wrong one
+        raise ExportError(f"ONNX Runtime's TensorRT EP wrote {len(built)} engine files for key {key} in "
+                          f"{paths.ort_cache_dir} (expected 1): {[p.name for p in built]}")
     return EngineRecord(route="ort-trt", tensorrt_version=facts.tensorrt_version or "", gpu_name=facts.gpu_name,
                         compute_capability=facts.compute_capability, precision=precision, profiles=(merged,),
-                        file=paths.ort_cache_dir, sha256=sha256_file(built[0]) if len(built) == 1 else "",
-                        cache_key=key, provider_options=options, onnxruntime_version=ort.__version__)
+                        file=paths.ort_cache_dir, sha256=sha256_file(built[0]), cache_key=key,
+                        provider_options=options, onnxruntime_version=ort.__version__,
+                        engine_file=str(PurePosixPath(paths.ort_cache_dir) / built[0].name), graph=graph)
 
 
 def _drop_stale(bundle: Path, files: dict, old: EngineRecord | None, new: EngineRecord) -> None:
@@ -273,6 +295,9 @@ def _drop_stale(bundle: Path, files: dict, old: EngineRecord | None, new: Engine
     else:
         for path in (bundle / old.file).glob(f"{old.cache_key}*"):
             path.unlink()
+    if old.graph and old.graph != new.graph:
+        files.pop(old.graph, None)
+        (bundle / old.graph).unlink(missing_ok=True)
 
 
 def check_tensorrt_export(attention: str, precision: str, draft: str | None = None,
@@ -320,6 +345,7 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
         from ..engines.ort import check_provider
 
         check_provider("tensorrt")
+        check_ort_trt_tensorrt(tensorrt_version())
     facts = runtime_facts(device_id)
     if facts.gpu_name is None or facts.compute_capability is None:
         raise BackendUnavailableError(f"no NVIDIA GPU {device_id} is visible (neither cuda-python nor nvidia-smi "
@@ -337,17 +363,25 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
         if not quiet:
             print(f"[tensorrt] building the {role} engine ({route}, {precision}, profiles "
                   f"{', '.join(p.name for p in profiles)}) on {facts.gpu_name}", file=sys.stderr, flush=True)
+        # The engines take the logits row count from a shape, so nothing is read back per run (trt_graph.py).
+        source = resolve_inside(bundle, entry.graph)
+        rewritten = logits_rows_from_shape(source, trt_graph_path(source), entry.io.num_logits)
+        rewritten_rel = str(PurePosixPath(entry.graph).parent / rewritten.name)
         if route == "native":
-            plan = build_trt_engine(resolve_inside(bundle, entry.graph), bundle / paths.plan, profiles, precision,
-                                    graph_dtype=entry.kv_dtype, workspace_bytes=workspace_bytes)
+            try:
+                plan = build_trt_engine(rewritten, bundle / paths.plan, profiles, precision,
+                                        graph_dtype=entry.kv_dtype, workspace_bytes=workspace_bytes)
+            finally:
+                rewritten.unlink(missing_ok=True)  # the plan holds what it needs
             files[paths.plan] = file_record(plan)
             record = EngineRecord(route="native", tensorrt_version=facts.tensorrt_version or "",
                                   gpu_name=facts.gpu_name, compute_capability=facts.compute_capability,
                                   precision=precision, profiles=profiles, file=paths.plan,
                                   sha256=files[paths.plan]["sha256"], cache_key=key)
         else:
-            record = _build_ort_trt(bundle, entry, profiles, precision, key, paths, facts, device_id,
-                                    workspace_bytes)
+            files[rewritten_rel] = file_record(rewritten)  # the EP session loads it: checksummed with the rest
+            record = _build_ort_trt(bundle, entry, rewritten_rel, profiles, precision, key, paths, facts,
+                                    device_id, workspace_bytes)
         old = engines.get(role)
         _drop_stale(bundle, files, EngineRecord.from_json(old, f"extra.engines.{role}") if old else None, record)
         engines[role] = record.to_json()

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..engines import EngineOptions, create_engine
+from ..engines import EngineOptions, backend_for, create_engine
 from ..errors import BundleError, ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..manifest import DRAFTERS, Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
@@ -214,15 +214,18 @@ class Generator:
         if codec.vocab_size > manifest.target.vocab_size:
             raise InvalidParameterError(f"tokenizer has {codec.vocab_size} tokens but the target's vocab_size is "
                                         f"{manifest.target.vocab_size}")
-        # GPU providers get the device-resident engine (KV cache in device memory, bound in place).
-        backend = "onnxruntime" if options.provider == "cpu" else "onnxruntime-gpu"
-        target = create_engine(manifest.target, resolve_inside(bundle, manifest.target.graph), options, backend)
+        # The engine registry picks the backend per model: CPU, the device-resident ORT engine, or a
+        # native TensorRT plan the bundle records.
+        target_graph = resolve_inside(bundle, manifest.target.graph)
+        target = create_engine(manifest.target, target_graph, options,
+                               backend_for(manifest.target, target_graph, options.provider))
         draft = None
         if manifest.draft is not None and load_draft:
             draft_options = replace(options, intra_op_threads=draft_threads if draft_threads is not None
                                     else options.intra_op_threads)
-            draft = create_engine(manifest.draft, resolve_inside(bundle, manifest.draft.graph), draft_options,
-                                  backend)
+            draft_graph = resolve_inside(bundle, manifest.draft.graph)
+            draft = create_engine(manifest.draft, draft_graph, draft_options,
+                                  backend_for(manifest.draft, draft_graph, options.provider))
         gen = cls(bundle, manifest, codec, target, draft)
         gen.threads = options.intra_op_threads
         if gen.cost_profile is not None and not cost_profile.usable(gen.cost_profile, gen.threads):

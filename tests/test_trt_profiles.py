@@ -76,8 +76,16 @@ def test_step_profile_spans_one_token_decode_to_the_largest_verify():
         for kind in ("key", "value"):
             r = step.shapes[f"past_{kind}.{i}"]
             assert (r.min, r.opt, r.max) == ((0, 2, 8), (32, 2, 8), (63, 2, 8))
+    keep = step.shapes["num_logits_to_keep"]  # the rewritten graph: its length is the row count
+    assert (keep.min, keep.opt, keep.max) == ((1,), (5,), (9,))
+    assert step.values == {}  # no shape tensor: nothing is read back to the host per run
+
+
+def test_the_graph_as_exported_gets_a_values_range_for_its_shape_tensor():
+    step, _ = verify_profiles(_entry(), 8, 32, draft_tokens=4, logits_rows_from_shape=False)
     keep = step.values["num_logits_to_keep"]  # a shape tensor: its values, not its dims
     assert (keep.min, keep.opt, keep.max) == ((1,), (5,), (9,))
+    assert "num_logits_to_keep" not in step.shapes
 
 
 def test_prefill_profile_covers_the_prompt_limit_from_an_empty_cache():
@@ -87,7 +95,7 @@ def test_prefill_profile_covers_the_prompt_limit_from_an_empty_cache():
     assert (r.min, r.opt, r.max) == ((1, 1), (1, 16), (1, 32))
     assert prefill.shapes["past_key.0"].opt == (0, 2, 8)
     assert prefill.shapes["past_key.0"].max == (63, 2, 8)  # a draft catching up, a chunk of a long prompt
-    assert prefill.values["num_logits_to_keep"].max == (32,)
+    assert prefill.shapes["num_logits_to_keep"].max == (32,)
 
 
 def test_no_prefill_profile_when_every_prompt_fits_the_step_profile():
@@ -103,7 +111,7 @@ def test_every_forward_the_loop_makes_has_a_profile():
             p = profiles[select_profile(profiles, entry.io, n, past)]
             assert p.shapes["input_ids"].contains((1, n))
             assert p.shapes["past_key.0"].contains((past, 2, 8))
-            assert p.values["num_logits_to_keep"].contains((n,))
+            assert p.shapes["num_logits_to_keep"].contains((n,))
             assert p.name == ("step" if n <= 9 else "prefill")  # verifies use the profile tuned for them
 
 
@@ -136,7 +144,7 @@ def test_merged_profile_spans_all_and_stays_tuned_for_the_verify():
     r = merged.shapes["input_ids"]
     assert (r.min, r.opt, r.max) == ((1, 1), (1, 5), (1, 32))
     assert merged.shapes["past_value.1"].opt == (32, 2, 8)
-    keep = merged.values["num_logits_to_keep"]
+    keep = merged.shapes["num_logits_to_keep"]
     assert (keep.min, keep.opt, keep.max) == ((1,), (5,), (32,))
 
 
@@ -602,11 +610,15 @@ class _FakeContext:
         lo, _, hi = e.get_tensor_profile_shape("input_ids", self.profile)
         plo, _, phi = e.get_tensor_profile_shape("past_key.0", self.profile)
         assert lo[1] <= n <= hi[1] and plo[0] <= past <= phi[0], "shapes outside the active profile"
-        keep = ctypes.c_int64.from_address(self.addresses["num_logits_to_keep"]).value  # a host shape tensor
         binding = e.session.io_binding()
+        if e.is_shape_inference_io("num_logits_to_keep"):  # the graph as exported: a host shape tensor
+            keep = ctypes.c_int64.from_address(self.addresses["num_logits_to_keep"]).value
+            binding.bind_input("num_logits_to_keep", "cpu", 0, np.int64, [1], self.addresses["num_logits_to_keep"])
+        else:  # the rewrite: the row count is the tensor's length, its bytes are never read
+            (keep,) = self.shapes["num_logits_to_keep"]
+            binding.bind_input("num_logits_to_keep", "cpu", 0, np.int64, [keep], self.addresses["num_logits_to_keep"])
         for name in ("input_ids", "position_ids"):
             binding.bind_input(name, "cpu", 0, np.int64, [1, n], self.addresses[name])
-        binding.bind_input("num_logits_to_keep", "cpu", 0, np.int64, [1], self.addresses["num_logits_to_keep"])
         for i in range(e.n_layers):
             for kind in ("key", "value"):
                 binding.bind_input(f"past_{kind}.{i}", "cpu", 0, np.float32, [past, *e.kv_shape],
@@ -627,6 +639,7 @@ class _FakeEngine:
         self.session = ort.InferenceSession(plan["graph"], providers=["CPUExecutionProvider"])
         self.ranges = plan["profiles"]
         self.n_layers, self.kv_shape, self.vocab = plan["n_layers"], plan["kv_shape"], plan["vocab"]
+        self.rows_from_shape = plan.get("rows_from_shape", False)
         self.names = [t.name for t in self.session.get_inputs() + self.session.get_outputs()]
         self.num_io_tensors = len(self.names)
         self.num_optimization_profiles = len(self.ranges)
@@ -645,7 +658,7 @@ class _FakeEngine:
         return (p_lo, *self.kv_shape), (p_hi, *self.kv_shape), (p_hi, *self.kv_shape)
 
     def is_shape_inference_io(self, name):
-        return name == "num_logits_to_keep"
+        return name == "num_logits_to_keep" and not self.rows_from_shape
 
     def create_execution_context(self):
         self.contexts.append(_FakeContext(self))
@@ -685,15 +698,20 @@ class _FakeBuilder:
         import onnxruntime as ort
 
         session = ort.InferenceSession(network.graph, providers=["CPUExecutionProvider"])
-        dynamic = {i.name for i in session.get_inputs()} - {"num_logits_to_keep"}
+        shape_tensors = {i.name for i in network.inputs if i.is_shape_tensor}
+        dynamic = {i.name for i in session.get_inputs()} - shape_tensors
         ranges = []
         for p in config.profiles:
             assert set(p.shapes) == dynamic, "every dynamic input needs min/opt/max"
-            assert set(p.values) == {"num_logits_to_keep"}, "the shape-tensor input needs value ranges"
+            assert set(p.values) == shape_tensors, "a shape-tensor input needs value ranges"
             ranges.append([[p.shapes["input_ids"][0][1], p.shapes["input_ids"][2][1]],
                            [p.shapes["past_key.0"][0][0], p.shapes["past_key.0"][2][0]]])
         past = {i.name: i.shape for i in session.get_inputs()}["past_key.0"]
-        plan = {"graph": network.graph, "profiles": ranges, "flags": sorted(config.flags),
+        # A real plan holds the network; this one keeps a copy of the graph beside it (its weights are there).
+        kept = Path(network.graph).with_suffix(".kept.onnx")
+        kept.write_bytes(Path(network.graph).read_bytes())
+        plan = {"graph": str(kept), "profiles": ranges, "flags": sorted(config.flags),
+                "rows_from_shape": not shape_tensors,
                 "strongly_typed": bool(network.flags), "kv_shape": past[1:],
                 "n_layers": sum(i.name.startswith("past_key.") for i in session.get_inputs()),
                 "vocab": session.get_outputs()[0].shape[2]}
@@ -712,9 +730,11 @@ class _FakeParser:
         import onnxruntime as ort
 
         self.network.graph = path
-        names = [i.name for i in ort.InferenceSession(path, providers=["CPUExecutionProvider"]).get_inputs()]
-        self.network.inputs = [types.SimpleNamespace(name=n, is_shape_tensor=n == "num_logits_to_keep")
-                               for n in names]
+        inputs = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).get_inputs()
+        names = [i.name for i in inputs]
+        # TensorRT makes an int64 [1] input whose value shapes a tensor a shape tensor (the graph as exported).
+        self.network.inputs = [types.SimpleNamespace(name=i.name, is_shape_tensor=i.name == "num_logits_to_keep"
+                                                     and i.shape == [1]) for i in inputs]
         self.network.num_inputs = len(names)
         self.network.get_input = self.network.inputs.__getitem__
         return True
