@@ -44,18 +44,27 @@ def _cuda_python() -> dict[str, Any]:
 
 
 def _onnxruntime() -> dict[str, Any]:
-    from ..engines.base import PROVIDERS
-    from ..engines.ort import available_providers
+    """The ORT install and, per provider, whether a session actually loads and runs on it (and why not).
 
+    ``usable`` means loadable: onnxruntime-gpu lists TensorRT among its providers whether or
+    not TensorRT is installed (onnxruntime#13501), so each provider is probed on a tiny graph.
+    """
+    from ..engines.base import PROVIDERS
+    from ..engines.providers import installed_onnxruntime_distributions, onnxruntime_install_problem, probe_provider
+
+    installed = installed_onnxruntime_distributions()
     info = _module_version("onnxruntime")
+    common = {"package": installed[0] if len(installed) == 1 else None, "installed": installed,
+              "install_problem": onnxruntime_install_problem(installed)}
     if not info["importable"]:
-        return {**info, "package": None, "execution_providers": [], "usable": dict.fromkeys(PROVIDERS, False)}
+        return {**info, **common, "execution_providers": [], "providers": {},
+                "usable": dict.fromkeys(PROVIDERS, False)}
     import onnxruntime as ort
 
-    package = next((name for name in ("onnxruntime-gpu", "onnxruntime") if _installed(name)), None)
-    usable = set(available_providers())
-    return {**info, "package": package, "execution_providers": list(ort.get_available_providers()),
-            "usable": {name: name in usable for name in PROVIDERS}}
+    probes = {name: probe_provider(name) for name in PROVIDERS}
+    return {**info, **common, "execution_providers": list(ort.get_available_providers()),
+            "providers": {name: p.to_json() for name, p in probes.items()},
+            "usable": {name: p.loadable for name, p in probes.items()}}
 
 
 def _installed(distribution: str) -> bool:
@@ -141,11 +150,19 @@ def _yes(flag: bool) -> str:
 
 def _hints(facts: dict[str, Any]) -> list[str]:
     ort, hints = facts["onnxruntime"], []
+    if ort.get("install_problem"):
+        hints.append(ort["install_problem"])
+    compiled = {name: p["compiled"] for name, p in ort.get("providers", {}).items()}
     if facts["gpus"] and not ort["usable"]["cuda"]:
-        hints.append("a GPU is present but ONNX Runtime has no CUDA provider: pip uninstall onnxruntime && "
-                     "pip install 'specedge[gpu]' (onnxruntime-gpu; install exactly one of the two)")
+        if compiled.get("cuda"):
+            reason = ort["providers"]["cuda"]["reason"]
+            hints.append(f"onnxruntime-gpu is installed but its CUDA provider does not load ({reason}): check the "
+                         "driver and CUDA/cuDNN versions against docs/GPU.md")
+        else:
+            hints.append("a GPU is present but ONNX Runtime has no CUDA provider: pip uninstall -y onnxruntime && "
+                         "pip install 'specedge[gpu]' (onnxruntime-gpu; install exactly one of the two)")
     if ort["usable"]["cuda"] and not ort["usable"]["tensorrt"]:
-        hints.append("TensorRT EP unavailable: install TensorRT from NVIDIA's index (see docs/GPU.md)")
+        hints.append("TensorRT EP does not load: install TensorRT 10 from NVIDIA's index (docs/GPU.md, 'TensorRT')")
     return hints
 
 
@@ -157,6 +174,9 @@ def render(facts: dict[str, Any]) -> str:
     else:
         lines.append(f"onnxruntime: not importable ({ort['error']})")
     lines.append("  providers: " + ", ".join(f"{name} {_yes(ok)}" for name, ok in ort["usable"].items()))
+    for name, probe in ort.get("providers", {}).items():
+        if probe["compiled"] and not probe["loadable"]:
+            lines.append(f"  {name}: compiled in, does not load: {probe['reason']}")
     for label, key in (("tensorrt", "tensorrt"), ("cuda-python", "cuda_python")):
         info = facts[key]
         lines.append(f"{label}: {info['version'] or 'installed'}" if info["importable"]
@@ -183,7 +203,21 @@ def render(facts: dict[str, Any]) -> str:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
-def doctor(as_json: bool) -> None:
+@click.option("--verify", is_flag=True,
+              help="Export tiny random models and check every GPU route that loads here (tokens against the CPU "
+                   "engine, 256-byte alignment of every bound address, step and verify time against the "
+                   "bandwidth floor); prints one JSON report, exit status 1 when a check fails. Needs the "
+                   "export extra (torch).")
+@click.option("--device-id", type=click.IntRange(min=0), default=0, show_default=True, help="CUDA device for --verify.")
+def doctor(as_json: bool, verify: bool, device_id: int) -> None:
     """Report what this machine can run: ONNX Runtime providers, TensorRT, GPUs, CPU features, RAM, extras."""
+    if verify:
+        from .verify import run_verify
+
+        report = run_verify(device_id)
+        click.echo(json.dumps(report, indent=2))
+        if not report["ok"]:
+            raise SystemExit(1)
+        return
     facts = collect()
     click.echo(json.dumps(facts, indent=2) if as_json else render(facts))

@@ -59,7 +59,14 @@ def backend_for(entry: ModelEntry, graph: Path, provider: str) -> str:
 
 def create_engine(entry: ModelEntry, graph: Path, options: EngineOptions = EngineOptions(),
                   backend: str = "onnxruntime") -> Engine:
-    """Build the engine for one bundle model. ``graph`` is the resolved .onnx path."""
+    """Build the engine for one bundle model. ``graph`` is the resolved .onnx path.
+
+    Refuses (BackendUnavailableError, with the fix) an environment with no ONNX Runtime
+    or with two ORT packages writing the same folder (onnxruntime and onnxruntime-gpu).
+    """
+    from .providers import check_onnxruntime_install
+
+    check_onnxruntime_install()
     try:
         factory = BACKENDS[backend]
     except KeyError:

@@ -48,7 +48,8 @@ from ..manifest import ModelEntry, resolve_inside
 from .base import EngineOptions, KVCache
 from .device import ALIGNMENT, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
 from .ort import OrtEngine, check_provider
-from .tensorrt import (REBUILD_HINT, EngineRecord, bundle_engine_record, check_engine_compatible,
+from .providers import preload_tensorrt_libs
+from .tensorrt import (ORT_TRT_EP_TENSORRT_MAJOR, REBUILD_HINT, EngineRecord, bundle_engine_record, check_engine_compatible,
                        check_tensorrt_graph, cuda_call, forward_in_chunks, import_cudart, runtime_facts,
                        verify_record_file)
 
@@ -186,6 +187,8 @@ class OrtCudaEngine(OrtEngine):
             raise BackendUnavailableError(f"{entry.graph} is an fp32 GroupQueryAttention graph, which ONNX "
                                           "Runtime's CUDA EP cannot run; export with --precision fp16 or "
                                           "--attention standard for the GPU")
+        if options.provider == "tensorrt":
+            preload_tensorrt_libs(ORT_TRT_EP_TENSORRT_MAJOR)  # NVIDIA's wheel keeps libnvinfer off the loader path
         gpu = {} if options.provider == "cpu" else {"device_id": str(options.device_id)}
         if stream is not None:
             gpu["user_compute_stream"] = str(stream)
