@@ -325,7 +325,8 @@ def import_tensorrt():
     except (ImportError, OSError) as exc:  # OSError: the wheel is there but libnvinfer is not
         raise BackendUnavailableError(
             f"TensorRT's Python package is not usable here ({exc}); install it from NVIDIA's index "
-            "(pip install --extra-index-url https://pypi.nvidia.com tensorrt; see docs/GPU.md)") from None
+            "(pip install --extra-index-url https://pypi.nvidia.com 'tensorrt-cu13==10.*', or tensorrt-cu12 for a "
+            "CUDA 12 machine; docs/GPU.md)") from None
     major = int(trt.__version__.split(".")[0])
     if major < MIN_TENSORRT_MAJOR:
         raise BackendUnavailableError(f"TensorRT {trt.__version__} is too old: specedge graphs take int64 inputs, "

@@ -25,8 +25,8 @@ import pytest
 from conftest import PROMPT_IDS
 from specedge.engines import EngineOptions, create_engine
 from specedge.engines.ort import OrtEngine, available_providers
-from specedge.engines.tensorrt import cuda_call, import_cudart, import_tensorrt, runtime_facts
-from specedge.errors import BackendUnavailableError
+from specedge.cli.verify import AddressLog, device_bandwidth, route_missing, weight_bytes
+from specedge.engines.tensorrt import runtime_facts
 from specedge.manifest import load_manifest
 
 pytestmark = pytest.mark.gpu
@@ -38,20 +38,9 @@ BACKEND = {"cuda": ("onnxruntime-gpu", "cuda"), "ort-trt": ("onnxruntime-gpu", "
 
 
 def _missing(route: str) -> str | None:
-    """Why ``route`` cannot run here, or None."""
-    have = set(available_providers())
-    if route == "cuda" and "cuda" not in have:
-        return "no CUDAExecutionProvider: install onnxruntime-gpu instead of onnxruntime, on an NVIDIA GPU"
-    if route == "ort-trt" and "tensorrt" not in have:
-        return "no TensorrtExecutionProvider: onnxruntime-gpu plus TensorRT from NVIDIA's index (docs/GPU.md)"
-    if route == "native":
-        try:
-            import_tensorrt()
-            if cuda_call(import_cudart().cudaGetDeviceCount(), "cudaGetDeviceCount") < 1:
-                return "no CUDA device"
-        except BackendUnavailableError as exc:
-            return str(exc)
-    return None
+    """Why ``route`` cannot run here, or None: a provider counts only when a session loads and runs on it
+    (onnxruntime-gpu lists TensorRT whether or not TensorRT is installed)."""
+    return route_missing(route)
 
 
 MISSING = {route: _missing(route) for route in BACKEND}
@@ -86,54 +75,6 @@ def _engine(bundle: Path, route: str, role: str = "target"):
                          backend=backend)
 
 
-def device_bandwidth(device_id: int = 0, mib: int = 256, runs: int = 10) -> float:
-    """Device memory bandwidth in bytes/s: time copies that read and write ``mib`` MiB each.
-
-    Through cuda-python when installed (a device-to-device memcpy), else through an ORT
-    CUDA session computing ``x + 0``.
-    """
-    nbytes = mib * 2**20
-    try:
-        cudart = import_cudart()
-    except BackendUnavailableError:
-        cudart = None
-    if cudart is not None:
-        src, dst = (cuda_call(cudart.cudaMalloc(nbytes), "cudaMalloc") for _ in range(2))
-        kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-
-        def copy():
-            cuda_call(cudart.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
-            cuda_call(cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-    else:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper
-
-        n = nbytes // 4
-        graph = helper.make_graph([helper.make_node("Add", ["x", "zero"], ["y"])], "copy",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])],
-                                  [helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-        session = ort.InferenceSession(model.SerializeToString(),
-                                       providers=[("CUDAExecutionProvider", {"device_id": str(device_id)})])
-        binding = session.io_binding()
-        binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_shape_and_type([n], np.float32, "cuda", device_id))
-        binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type([n], np.float32, "cuda",
-                                                                                    device_id))
-
-        def copy():
-            session.run_with_iobinding(binding)
-    copy()  # warm-up: allocation, kernel selection
-    start = time.perf_counter()
-    for _ in range(runs):
-        copy()
-    elapsed = time.perf_counter() - start
-    if cudart is not None:
-        cudart.cudaFree(src)
-        cudart.cudaFree(dst)
-    return 2 * nbytes * runs / elapsed  # each copy reads and writes every byte
-
-
 def median_step_s(engine, steps: int = 50) -> float:
     """Median wall time of a one-token decode step after PROMPT_IDS (rewound each time: fixed past)."""
     kv = engine.new_cache()
@@ -146,11 +87,6 @@ def median_step_s(engine, steps: int = 50) -> float:
         times.append(time.perf_counter() - start)
         kv.rewind(1)
     return float(np.median(times[5:]))  # the first steps pay lazy allocations
-
-
-def weight_bytes(bundle: Path, role: str = "target") -> int:
-    entry = load_manifest(bundle, verify_checksums=False).models()[role]
-    return sum((bundle / rel).stat().st_size for rel in (entry.graph, *entry.data_files))
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -195,10 +131,21 @@ def gpu_bundle(request, standard_bundle, tmp_path_factory) -> tuple[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def engines(gpu_bundle):
+def address_log(gpu_bundle) -> AddressLog:
+    """Every device address the route's engines bind (logits go to a host buffer on the ORT routes)."""
+    route, bundle = gpu_bundle
+    io = load_manifest(bundle, verify_checksums=False).target.io
+    return AddressLog(frozenset({io.logits}) if route != "native" else frozenset())
+
+
+@pytest.fixture(scope="module")
+def engines(gpu_bundle, address_log):
     """Two target engines (one drafts for self-speculation) and the different draft's engine."""
     route, bundle = gpu_bundle
-    return _engine(bundle, route), _engine(bundle, route), _engine(bundle, route, "draft")
+    built = _engine(bundle, route), _engine(bundle, route), _engine(bundle, route, "draft")
+    for engine in built:
+        address_log.watch(engine)
+    return built
 
 
 # --------------------------------------------------------------------------- invariants
@@ -210,6 +157,13 @@ def test_greedy_on_the_gpu_equals_the_cpu_baseline(engines, baseline):
     for k in (2, 4, 8):
         assert _generate(target, same, k) == baseline, f"self-speculation, k={k}"
         assert _generate(target, other, k) == baseline, f"different draft, k={k}"
+
+
+def test_every_bound_device_address_is_256_byte_aligned(engines, address_log, baseline):
+    target, same, other = engines
+    _generate(target, other, 4)  # prefill, steps at every position, verifies, rollbacks
+    summary = address_log.summary()
+    assert summary["bound"] > 0 and summary["misaligned"] == 0, summary
 
 
 @pytest.mark.parametrize("k", [1, 4])

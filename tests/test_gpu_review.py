@@ -605,3 +605,41 @@ def test_the_ort_trt_build_records_the_rewritten_graph_and_its_checksum(standard
     assert runs[0][0].name == "model.trt.onnx" and runs[0][2]["logits_rows_from_shape"] is True
     merged = record.profiles[0]
     assert merged.values == {} and merged.shapes["num_logits_to_keep"].max == (16,)
+
+
+# --------------------------------------------------------------------------- doctor --verify
+
+
+def test_doctor_verify_checks_what_this_machine_allows_and_says_what_it_skipped():
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+    from specedge.cli.verify import ROUTES, route_missing
+
+    out = CliRunner().invoke(main, ["doctor", "--verify"])
+    assert out.exit_code == 0, out.output[-3000:]
+    report = json.loads(out.stdout)
+    cpu_mode = report["routes"]["cpu-mode"]
+    assert cpu_mode["status"] == "pass", cpu_mode
+    assert all(run["equal"] for run in cpu_mode["runs"].values())
+    assert cpu_mode["addresses"]["misaligned"] == 0 and cpu_mode["addresses"]["bound"] > 0
+    assert report["reference"]["greedy_speculative_equals_plain_on_cpu"] is True
+    for route in ROUTES[1:]:
+        why = route_missing(route)
+        result = report["routes"][route]
+        if why is not None:
+            assert result == {"status": "skipped", "reason": why}
+            assert f"{route}: {why}" in report["not_checked"]
+        else:
+            assert result["status"] == "pass", result
+    assert report["ok"] is True and report["seconds"] < 300
+
+
+def test_doctor_verify_without_the_exporter_skips_everything_and_says_why(monkeypatch):
+    from specedge.cli import verify
+
+    monkeypatch.setattr(verify, "exporter_missing", lambda: "the exporter needs torch and transformers (test)")
+    report = verify.run_verify(routes=("cpu-mode",))
+    assert report["routes"]["cpu-mode"] == {"status": "skipped",
+                                            "reason": "the exporter needs torch and transformers (test)"}
+    assert report["ok"] is True and "the exporter needs torch and transformers (test)" in report["not_checked"]
