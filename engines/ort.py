@@ -33,8 +33,8 @@ def check_provider(provider: str) -> None:
     """Raise BackendUnavailableError instead of letting ORT fall back to CPU silently."""
     have = available_providers()
     if provider not in have:
-        hint = " (install onnxruntime-gpu instead of onnxruntime: `pip install specedge[gpu]`)" \
-            if provider != "cpu" else ""
+        hint = (" (install onnxruntime-gpu instead of onnxruntime: `pip uninstall -y onnxruntime && pip install "
+                "'specedge[gpu]'`; `specedge doctor` says which providers load)") if provider != "cpu" else ""
         raise BackendUnavailableError(f"execution provider {provider!r} is not available in this onnxruntime "
                                       f"install; available: {', '.join(have)}{hint}")
 
