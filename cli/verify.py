@@ -332,8 +332,35 @@ def _route_cpu_mode(bundle: Path, reference: dict, bandwidth: float | None) -> d
     log.watch(target)
     log.watch(draft)
     gen = Generator(ref.bundle, ref.manifest, ref.codec, target, draft)
-    return {"runs": compare_runs(gen, reference), "addresses": log.summary(),
-            "timing": timing(target, bundle, None)}
+    result = {"runs": compare_runs(gen, reference), "addresses": log.summary(),
+              "timing": timing(target, bundle, None)}
+    # Fixed-address steps (what a captured CUDA graph replays) on the default fused-GQA graph, fp32 here.
+    gqa = export_tiny(bundle.parent, "bundle-fp32-gqa")
+    result["fixed_address_steps"] = _fixed_address_steps(gqa, EngineOptions(provider="cpu", intra_op_threads=1),
+                                                         cuda_graph=False)
+    return result
+
+
+def _fixed_address_steps(bundle: Path, options, cuda_graph: bool) -> dict[str, Any]:
+    """Greedy speculation on StaticStep bindings (one per token count) against the same bundle's plain decoding."""
+    from ..engines.ort_cuda import OrtCudaEngine, own_stream
+    from ..manifest import load_manifest
+    from ..runtime.generator import Generator
+
+    reference = Generator.from_bundle(bundle, engine_options=options) if options.provider != "cpu" else \
+        Generator.from_bundle(bundle, provider="cpu", threads=1)
+    manifest = load_manifest(bundle, verify_checksums=False)
+    stream = own_stream(options.device_id) if options.provider != "cpu" else None
+    engines = [OrtCudaEngine(m, bundle / m.graph, options, stream=stream, static_steps=DRAFT_TOKENS + 1,
+                             cuda_graph=cuda_graph) for m in (manifest.target, manifest.draft)]
+    log = _log(manifest)
+    for engine in engines:
+        log.watch(engine)
+    gen = Generator(reference.bundle, reference.manifest, reference.codec, *engines)
+    plain = _tokens(reference, **RUNS["greedy_plain"])
+    got = {name: _tokens(gen, **RUNS[name]) for name in ("greedy_plain", "greedy_speculative")}
+    return {"cuda_graph": cuda_graph, "equal": all(tokens == plain for tokens in got.values()),
+            "addresses": log.summary()}
 
 
 def _log(manifest) -> AddressLog:
@@ -366,18 +393,26 @@ def _route_gpu(route: str, bundle: Path, reference: dict, bandwidth: float | Non
     result = {"runs": compare_runs(gen, reference), "addresses": log.summary(),
               "timing": timing(gen.target, bundle, bandwidth)}
     if route == "cuda":  # the default export: fused GQA at fp16, head-major cache shared as past and present
-        fp16 = Generator.from_bundle(export_tiny(work, "bundle-fp16-gqa", precision="fp16"),
-                                     engine_options=EngineOptions(provider="cuda", device_id=device_id))
+        fp16_bundle = export_tiny(work, "bundle-fp16-gqa", precision="fp16")
+        options = EngineOptions(provider="cuda", device_id=device_id)
+        fp16 = Generator.from_bundle(fp16_bundle, engine_options=options)
         plain = _tokens(fp16, **RUNS["greedy_plain"])
         spec = _tokens(fp16, **RUNS["greedy_speculative"])
         result["fp16_gqa_speculative_equals_plain"] = plain == spec
+        for key, graph in (("fixed_address_steps", False), ("cuda_graph", True)):
+            try:
+                result[key] = _fixed_address_steps(fp16_bundle, options, cuda_graph=graph)
+            except Exception as exc:  # reported per check: capture may be refused where replay-free steps work
+                result[key] = {"cuda_graph": graph, "equal": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
     return result
 
 
 def _passed(result: dict[str, Any]) -> bool:
     runs_ok = all(r["equal"] for r in result["runs"].values())
-    return runs_ok and result["addresses"]["misaligned"] == 0 and result.get("fp16_gqa_speculative_equals_plain",
-                                                                              True)
+    steps_ok = all(result[key]["equal"] and result[key].get("addresses", {}).get("misaligned", 0) == 0
+                   for key in ("fixed_address_steps", "cuda_graph") if key in result)
+    return runs_ok and steps_ok and result["addresses"]["misaligned"] == 0 and result.get(
+        "fp16_gqa_speculative_equals_plain", True)
 
 
 def run_verify(device_id: int = 0, workdir: Path | None = None, routes: tuple[str, ...] = ROUTES) -> dict[str, Any]:

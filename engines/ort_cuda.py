@@ -39,6 +39,7 @@ Not verified on hardware (no GPU has run it); see docs/GPU.md.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -178,7 +179,8 @@ class OrtCudaEngine(OrtEngine):
 
     def __init__(self, entry: ModelEntry, graph_path: Path, options: EngineOptions = EngineOptions(provider="cuda"),
                  provider_options: dict | None = None, *, max_tokens: int | None = None,
-                 stream: int | None = None, logits_rows_from_shape: bool = False) -> None:
+                 stream: int | None = None, logits_rows_from_shape: bool = False, static_steps: int = 0,
+                 cuda_graph: bool = False) -> None:
         if options.provider == "tensorrt":
             check_tensorrt_graph(entry)
         elif options.provider == "cuda" and entry.attention == "gqa" and entry.kv_dtype == "float32":
@@ -189,14 +191,25 @@ class OrtCudaEngine(OrtEngine):
                                           "--attention standard for the GPU")
         if options.provider == "tensorrt":
             preload_tensorrt_libs(ORT_TRT_EP_TENSORRT_MAJOR)  # NVIDIA's wheel keeps libnvinfer off the loader path
+        if static_steps and entry.attention != "gqa":
+            raise InvalidParameterError("fixed-address steps need the fused-GQA graph, whose cache is bound whole; "
+                                        "the standard graph binds new K/V at a moving position")
+        if cuda_graph and (options.provider != "cuda" or not static_steps):
+            raise InvalidParameterError("CUDA graph capture needs provider cuda and static_steps >= 1")
         gpu = {} if options.provider == "cpu" else {"device_id": str(options.device_id)}
         if stream is not None:
             gpu["user_compute_stream"] = str(stream)
+        chosen = dict(gpu)
+        if cuda_graph:
+            chosen["enable_cuda_graph"] = "1"  # one graph per gpu_graph_id run option: per token count here
         device = "cpu" if options.provider == "cpu" else "cuda"
         row_bytes = entry.n_kv_heads * entry.head_dim * np.dtype(entry.kv_dtype).itemsize
         # Fused GQA binds whole segments (always aligned); only position-major new rows may need staging.
         self._copier = None if entry.attention == "gqa" else row_copier(device, stream, row_bytes)
-        super().__init__(entry, graph_path, options, {**gpu, **(provider_options or {})}, cuda_options=gpu)
+        super().__init__(entry, graph_path, options, {**chosen, **(provider_options or {})}, cuda_options=gpu)
+        self.static_steps = static_steps
+        self.cuda_graph = cuda_graph
+        self._static: dict[int, StaticStep] = {}
         self.max_tokens = max_tokens
         self.stream = stream
         self.logits_rows_from_shape = logits_rows_from_shape
@@ -214,6 +227,9 @@ class OrtCudaEngine(OrtEngine):
         if not isinstance(kv, DeviceKVCache) or kv.device != self._device:
             raise InvalidParameterError("OrtCudaEngine.forward needs the cache from its own new_cache()")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
+        if 0 < ids.shape[0] <= self.static_steps:  # decode, draft and verify steps; prefill stays dynamic
+            kv.reserve(int(ids.shape[0]))
+            return self._run_static(ids, kv, max(1, min(num_logits, int(ids.shape[0]))))
         return forward_in_chunks(self._run_device, ids, kv, num_logits, self.max_tokens)
 
     def _staging_for(self, n: int) -> tuple[CacheBlock, int] | None:
@@ -226,13 +242,31 @@ class OrtCudaEngine(OrtEngine):
             self._staging = (block, DeviceBuffer(block.nbytes, self._device, self.options.device_id))
         return self._staging[0], self._staging[1].ptr
 
-    def _bind(self, binding, name: str, shape: list[int], ptr: int, output: bool = False) -> None:
-        """Bind a device tensor; every device address is 256-byte aligned (TensorRT's rule)."""
+    def _bind(self, binding, name: str, shape: list[int], ptr: int, output: bool = False, dtype=None) -> None:
+        """Bind a device tensor (dtype: the cache's unless given); every address is 256-byte aligned."""
         if not is_aligned(ptr):
             raise BackendUnavailableError(f"{name} would be bound at {ptr:#x}, not {ALIGNMENT}-byte aligned")
         bind = binding.bind_output if output else binding.bind_input
-        dtype = np.int64 if name == self.entry.io.num_logits else self._kv_dtype.type
+        if dtype is None:
+            dtype = np.int64 if name == self.entry.io.num_logits else self._kv_dtype.type
         bind(name, self._device, self.options.device_id, dtype, shape, ptr)
+
+    # ----------------------------------------------------------------- fixed-address steps (CUDA-graph ready)
+
+    def _static_step(self, n: int, kv: DeviceKVCache) -> "StaticStep":
+        step = self._static.get(n)
+        if step is None or step.kv is not kv:
+            step = self._static[n] = StaticStep(self, n, kv)
+        return step
+
+    def _run_static(self, ids: np.ndarray, kv: DeviceKVCache, num_logits: int) -> np.ndarray:
+        """An n-token GQA forward on the binding made once for n: only values change, never an address."""
+        n, start = int(ids.shape[0]), kv.length
+        step = self._static_step(n, kv)
+        step.write(ids, np.arange(start, start + n, dtype=np.int64), np.array([start + n - 1], np.int32))
+        self.session.run_with_iobinding(step.binding, step.run_options)
+        kv.length = start + n
+        return step.logits(num_logits)
 
     def _run_device(self, ids: np.ndarray, kv: DeviceKVCache, num_logits: int) -> np.ndarray:
         e, io = self.entry, self.entry.io
@@ -274,6 +308,95 @@ class OrtCudaEngine(OrtEngine):
             rows.land()  # on the session's stream (user_compute_stream), so the next run reads the landed rows
         kv.length = start + n
         return self._logits_host[:num_logits]
+
+
+class StaticStep:
+    """One token count's fixed binding for a fused-GQA graph: what a captured CUDA graph replays.
+
+    Bound once, at fixed, 256-byte aligned device addresses: ids ``[1, n]``, positions
+    ``[1, n]``, ``seqlens_k`` ``[1]`` (written in place before each run), the whole
+    head-major cache as past and present, and logits ``[1, n, output_size]``. The two host
+    scalars are constants: ``num_logits_to_keep = n`` (a verify needs every row; a
+    1-token step has one) and ``total_sequence_length = capacity``: with the shared
+    buffer GQA takes each sequence's length from ``seqlens_k``, so the capacity gives
+    the same logits (checked bit for bit on ORT CPU) and never changes between replays.
+    Only the rows the caller asks for are copied back.
+    """
+
+    def __init__(self, engine: "OrtCudaEngine", n: int, kv: DeviceKVCache) -> None:
+        import onnxruntime as ort
+
+        e, io = engine.entry, engine.entry.io
+        self.engine, self.n, self.kv = engine, n, kv
+        device, dev = engine._device, engine.options.device_id
+        self._inputs = DeviceBuffer(align_up(8 * n) * 2 + ALIGNMENT, device, dev)
+        self.ids_ptr, self.positions_ptr = self._inputs.ptr, self._inputs.ptr + align_up(8 * n)
+        self.seqlens_ptr = self._inputs.ptr + 2 * align_up(8 * n)
+        self.row_floats = e.output_size
+        self._logits = DeviceBuffer(4 * n * e.output_size, device, dev)
+        self._host_logits = np.empty((n, e.output_size), np.float32)
+        self._copy = _host_device_copier(device)
+        b = self.binding = engine.session.io_binding()
+        engine._bind(b, io.input_ids, [1, n], self.ids_ptr, dtype=np.int64)
+        engine._bind(b, io.positions, [1, n], self.positions_ptr, dtype=np.int64)
+        engine._bind(b, io.seqlens_k, [1], self.seqlens_ptr, dtype=np.int32)
+        b.bind_cpu_input(io.num_logits, np.array([n], np.int64))
+        b.bind_cpu_input(io.total_sequence_length, np.array(kv.capacity, np.int32))
+        for layer, ((pk, pv), (nk, nv)) in enumerate(zip(engine._past_names, engine._new_names)):
+            for past, new, ptr in ((pk, nk, kv.key_ptr(layer)), (pv, nv, kv.value_ptr(layer))):
+                engine._bind(b, past, list(kv.shape), ptr)
+                engine._bind(b, new, list(kv.shape), ptr, output=True)
+        engine._bind(b, io.logits, [1, n, e.output_size], self._logits.ptr, output=True, dtype=np.float32)
+        self.run_options = ort.RunOptions()
+        if engine.cuda_graph:
+            self.run_options.add_run_config_entry("gpu_graph_id", str(n))  # 1 = decode/draft, k+1 = a verify
+
+    def write(self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray) -> None:
+        """Values in place, before the run: the addresses the graph was bound (or captured) with stay."""
+        for ptr, array in ((self.ids_ptr, ids), (self.positions_ptr, positions), (self.seqlens_ptr, seqlens)):
+            self._copy.to_device(ptr, np.ascontiguousarray(array))
+
+    def logits(self, rows: int) -> np.ndarray:
+        """The last ``rows`` logits rows, copied back (only those)."""
+        first = self.n - rows
+        out = self._host_logits[:rows]
+        self._copy.to_host(out, self._logits.ptr + 4 * first * self.row_floats)
+        return out
+
+
+class _HostCopy:
+    """Host <-> "device" copies when the device is host memory (the engines' CPU mode)."""
+
+    def to_device(self, ptr: int, array: np.ndarray) -> None:
+        ctypes.memmove(ptr, array.ctypes.data, array.nbytes)
+
+    def to_host(self, out: np.ndarray, ptr: int) -> None:
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+
+
+class _CudartCopy:
+    """Synchronous cudaMemcpy: the previous run has finished (ORT synchronises), and the next is not queued."""
+
+    def __init__(self, cudart) -> None:
+        self._cudart = cudart
+
+    def to_device(self, ptr: int, array: np.ndarray) -> None:
+        cuda_call(self._cudart.cudaMemcpy(ptr, array.ctypes.data, array.nbytes,
+                                          self._cudart.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy(step inputs)")
+
+    def to_host(self, out: np.ndarray, ptr: int) -> None:
+        cuda_call(self._cudart.cudaMemcpy(out.ctypes.data, ptr, out.nbytes,
+                                          self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy(logits rows)")
+
+
+def _host_device_copier(device: str):
+    if device == "cpu":
+        return _HostCopy()
+    try:
+        return _CudartCopy(import_cudart())
+    except BackendUnavailableError:
+        raise BackendUnavailableError("fixed-address steps write ids and positions into device memory in place, "
+                                      "which needs cuda-python (pip install cuda-python)") from None
 
 
 def resolve_provider_options(options: dict[str, str], root: Path) -> dict[str, str]:

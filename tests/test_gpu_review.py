@@ -643,3 +643,50 @@ def test_doctor_verify_without_the_exporter_skips_everything_and_says_why(monkey
     assert report["routes"]["cpu-mode"] == {"status": "skipped",
                                             "reason": "the exporter needs torch and transformers (test)"}
     assert report["ok"] is True and "the exporter needs torch and transformers (test)" in report["not_checked"]
+
+
+# --------------------------------------------------------------------------- fixed-address steps (CUDA-graph ready)
+
+
+@pytest.fixture(scope="module")
+def gqa_bundle(tiny_model, export) -> Path:
+    """The default export: fused GQA, head-major cache shared as past and present (fp32 runs on ORT CPU)."""
+    return export(tiny_model("llama"))
+
+
+def test_fixed_address_steps_give_the_dynamic_engines_logits_and_never_rebind(gqa_bundle):
+    """What a captured CUDA graph needs: after a token count's first run, no address or shape changes."""
+    from specedge.cli.verify import AddressLog
+    from specedge.engines.ort_cuda import OrtCudaEngine
+
+    entry = load_manifest(gqa_bundle, verify_checksums=False).target
+    options = EngineOptions(intra_op_threads=1)
+    dynamic = OrtCudaEngine(entry, gqa_bundle / entry.graph, options)
+    static = OrtCudaEngine(entry, gqa_bundle / entry.graph, options, static_steps=5)
+    log = AddressLog()
+    log.watch(static)
+    kv_d, kv_s = dynamic.new_cache(), static.new_cache()
+    ids = np.asarray(PROMPT_IDS, np.int64)
+    np.testing.assert_array_equal(static.forward(ids, kv_s), dynamic.forward(ids, kv_d))  # prefill: dynamic path
+    after_prefill = len(log.addresses)
+    for step in range(12):  # decode steps, and a verify of 5 that is rejected and rewound, at moving positions
+        token = np.array([6 + step], np.int64)
+        np.testing.assert_allclose(static.forward(token, kv_s), dynamic.forward(token, kv_d), rtol=1e-5, atol=1e-6)
+        block = np.arange(30 + step, 35 + step, dtype=np.int64)
+        np.testing.assert_allclose(static.forward(block, kv_s, num_logits=3),
+                                   dynamic.forward(block, kv_d, num_logits=3), rtol=1e-5, atol=1e-6)
+        kv_s.rewind(5)
+        kv_d.rewind(5)
+    per_binding = 3 + 4 * entry.n_layers + 1  # ids, positions, seqlens_k; past/present K/V; logits
+    assert len(log.addresses) - after_prefill == 2 * per_binding  # bound once for n=1 and once for n=5
+    assert [(n, hex(p)) for n, p in log.addresses[after_prefill:] if p % ALIGNMENT] == []  # logits on the device too
+
+
+def test_fixed_address_steps_need_the_gqa_graph_and_capture_needs_cuda(tmp_path):
+    from specedge.engines.ort_cuda import OrtCudaEngine
+
+    with pytest.raises(InvalidParameterError, match="fixed-address steps need the fused-GQA graph"):
+        OrtCudaEngine(_entry(), tmp_path / "m.onnx", EngineOptions(), static_steps=5)
+    with pytest.raises(InvalidParameterError, match="CUDA graph capture needs provider cuda"):
+        OrtCudaEngine(replace(_entry(), attention="gqa"), tmp_path / "m.onnx", EngineOptions(), static_steps=5,
+                      cuda_graph=True)
