@@ -24,7 +24,7 @@ import pytest
 
 from conftest import PROMPT_IDS
 from specedge.engines import EngineOptions, create_engine
-from specedge.engines.ort import OrtEngine, available_providers
+from specedge.engines.ort import OrtEngine
 from specedge.cli.verify import AddressLog, device_bandwidth, route_missing, weight_bytes
 from specedge.engines.tensorrt import runtime_facts
 from specedge.manifest import load_manifest

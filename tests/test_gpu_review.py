@@ -554,7 +554,7 @@ def test_engines_on_the_rewritten_graph_read_nothing_back(standard_pair, monkeyp
     from specedge.engines.ort import OrtEngine
     from specedge.engines.ort_cuda import OrtCudaEngine
     from specedge.engines.tensorrt import TensorrtEngine
-    from specedge.export.trt_graph import logits_rows_from_shape, trt_graph_path
+    from specedge.export.trt_graph import trt_graph_path
 
     _fake_tensorrt(monkeypatch)
     entry = load_manifest(standard_pair, verify_checksums=False).target
