@@ -121,7 +121,7 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
 
     Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
     step before the bundle is written; the bundle appears only when complete.
-    Needs the export extra: pip install 'specedge[export]'.
+    Needs the export extra: pip install 'specedge[cpu,export]'.
     """
     from ..export.bundle import ExportConfig, export_bundle
 
