@@ -36,6 +36,14 @@ class ModelLoadError(BundleError):
     """An ONNX file is truncated or corrupt, or its IO does not match the manifest."""
 
 
+class ChatTemplateError(BundleError):
+    """The bundle's chat template fails: it does not compile, raises, or exceeds its render budget."""
+
+
+class NonFiniteLogitsError(ModelLoadError):
+    """A graph produced NaN or infinite logits: its weights are corrupt (or it overflows its precision)."""
+
+
 class VocabMismatchError(BundleError):
     """Draft and target do not share a vocabulary (size or tokenizer hash)."""
 

@@ -62,6 +62,9 @@ class GenerationConfig:
     # v(2) - 1 = 0.1-0.35 of a verify step, so 1-token matches only slowed decoding down.
     min_ngram: int = 2
     chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
+    # Control-token text inside chat messages ("<|im_end|>") becomes control tokens. Off: it is
+    # encoded as plain text, as the OpenAI API does, so user text cannot forge a system turn.
+    allow_special_tokens: bool = False
     mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
     max_latency_s: float | None = None  # cap k so each block commits within this (None = no cap)
     # The draft model catches up on at most this many unseen tokens at once (its prompt prefill):
@@ -234,7 +237,8 @@ class Generator:
 
     # --------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                      input_ids: Sequence[int] | None = None, chat: bool = True) -> list[int]:
+                      input_ids: Sequence[int] | None = None, chat: bool = True,
+                      allow_special_tokens: bool = False) -> list[int]:
         given = sum(x is not None for x in (prompt, messages, input_ids))
         if given != 1:
             raise InvalidParameterError("pass exactly one of prompt, messages or input_ids")
@@ -245,12 +249,13 @@ class Generator:
                 raise InvalidParameterError(f"input_ids holds ids outside [0, {self.manifest.target.vocab_size}): "
                                             f"{bad[:5]}")
         elif messages is not None:
-            ids = self.codec.encode(self.codec.render_chat(messages))
+            ids = self.codec.encode_chat(messages, allow_special_tokens=allow_special_tokens)
         else:
             if not isinstance(prompt, str):
                 raise InvalidParameterError(f"prompt must be a string; got {type(prompt).__name__}")
             if chat and self.codec.chat_template:
-                ids = self.codec.encode(self.codec.render_chat([{"role": "user", "content": prompt}]))
+                ids = self.codec.encode_chat([{"role": "user", "content": prompt}],
+                                             allow_special_tokens=allow_special_tokens)
             else:
                 ids = self.codec.encode(prompt)
         if not ids:
@@ -423,7 +428,8 @@ class Generator:
         """Generate a completion. Keyword overrides are GenerationConfig fields
         (``max_new_tokens=64, temperature=0.7, draft_tokens=4, drafter="ngram"``...)."""
         config = self._config(config, overrides)
-        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat)
+        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat,
+                                 allow_special_tokens=config.allow_special_tokens)
         stream = TextStream(iter(()))
         for _ in self._run(ids, config, stream):
             pass
@@ -436,7 +442,8 @@ class Generator:
         once the iterator is exhausted; ``stream.cancel()`` stops at the next block boundary.
         With ``callback``, runs to completion calling it with each delta and returns the stream."""
         config = self._config(config, overrides)
-        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat)
+        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat,
+                                 allow_special_tokens=config.allow_special_tokens)
         stream = TextStream(iter(()))
         stream._deltas = self._run(ids, config, stream)
         if callback is not None:
