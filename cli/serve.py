@@ -30,11 +30,14 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               "the draft model is not loaded.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
+@click.option("--shutdown-grace", type=click.FloatRange(0, 3600), default=5.0, show_default=True,
+              help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
+              "Queued and new requests get 503 at once.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
           max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
-          no_verify_checksums: bool, log_level: str) -> None:
+          no_verify_checksums: bool, shutdown_grace: float, log_level: str) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
 
     \b
@@ -44,9 +47,8 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
     Needs the serve extra: pip install 'specedge[serve]'.
     """
     try:
-        import uvicorn
-
         from ..server.app import create_app
+        from ..server.serving import SpecedgeServer, server_config
     except ImportError as exc:
         raise click.ClickException(f"specedge serve needs the serve extra ({exc.name} is missing): "
                                    "pip install 'specedge[serve]'") from None
@@ -69,4 +71,5 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                                       verify_checksums=not no_verify_checksums, load_draft=not no_speculation)
     app = create_app(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name, speculation=not no_speculation, warmup=not no_warmup)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),
+                   grace_s=shutdown_grace).run()

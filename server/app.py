@@ -8,14 +8,26 @@ Routes::
     GET  /health                liveness + queue state (no API key needed)
 
 Every error is answered in OpenAI's format with a 4xx status when the client
-caused it: 400 bad parameters or JSON, 401 API key, 404 model or route, 413 body
-too large, 429 queue full. Generation runs on the single worker thread
-(server/worker.py); this module only parses, queues and streams.
+caused it: 400 bad parameters or JSON, 401 API key, 404 model or route, 408 body
+too slow, 413 body too large, 429 queue full; 503 while shutting down. Generation
+runs on the single worker thread (server/worker.py); this module only parses,
+queues and streams.
+
+Nothing slow runs on the event loop: JSON decoding, validation, the chat template
+(which has its own time budget) and tokenisation run on a small parse pool, so one
+large body or a slow template never stalls /health or other streams.
+
+Graceful shutdown (``begin_shutdown``, called by server/serving.py on SIGTERM before
+uvicorn stops): new requests get 503, queued ones 503, and the running one may
+finish within the grace period; past it, it is cut at its next block boundary and its
+client gets what was generated with finish_reason "length" (streams: a finishing
+chunk and ``[DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -28,16 +40,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import SpecedgeError
 from ..runtime.generator import Generator
 from . import protocol
 from .protocol import APIError, ParsedRequest
-from .worker import GenerationWorker, Job, QueueFull
+from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("specedge.server")
 
 DEFAULT_QUEUE_SIZE = 16  # waiting requests; on one device a deeper queue is only a longer wait
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more is a mistake or an attack
 RETRY_AFTER_S = 1  # what a 429 suggests; one short generation usually frees a slot
+# A body must arrive within this. A client that declares more bytes than it sends (or drips
+# them) would otherwise hold a connection and a handler forever; 30 s covers 1 MiB at 35 KB/s.
+BODY_TIMEOUT_S = 30.0
+# Requests parsed at once off the event loop. Parsing is CPU work under the GIL, so more
+# threads buy no throughput; two keep one slow template (bounded by its own time budget)
+# from delaying every other request's parse.
+PARSE_THREADS = 2
+DEFAULT_SHUTDOWN_GRACE_S = 5.0  # how long a running reply may go on after SIGTERM before it is cut
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -82,6 +103,20 @@ class _Server:
         self.speculation = speculation
         self.worker = GenerationWorker(generator, queue_size)
         self.started = int(time.time())
+        self.draining = False
+        self.parse_pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="specedge-parse")
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop taking work (503), answer the queue (503), and cut the running reply after ``grace_s``.
+
+        Runs on the event loop; returns at once.
+        """
+        if self.draining:
+            return
+        self.draining = True
+        self.worker.drain()
+        log.info("shutting down: the running reply gets %.1f s to finish", grace_s)
+        asyncio.get_running_loop().call_later(grace_s, self.worker.cut_running)
 
     # ----------------------------------------------------------------- checks
     def _authorize(self, request: Request) -> None:
@@ -93,26 +128,45 @@ class _Server:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def _json_body(self, request: Request) -> dict:
+    async def _body(self, request: Request) -> bytes:
+        """The request body, bounded in size (413) and in time (408)."""
         too_big = APIError(413, f"request body is larger than {self.max_body_bytes} bytes "
                                 "(the server's --max-body-bytes)", code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_big  # refuse before reading a byte of it
-        body = bytearray()
-        async for part in request.stream():  # chunked bodies have no content-length: count as they come
-            body += part
-            if len(body) > self.max_body_bytes:
-                raise too_big
+
+        async def read() -> bytes:
+            body = bytearray()
+            async for part in request.stream():  # chunked bodies have no content-length: count as they come
+                body += part
+                if len(body) > self.max_body_bytes:
+                    raise too_big
+            return bytes(body)
+
         try:
-            data = json.loads(body)
+            return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s (is Content-Length "
+                                "larger than the body?)", code="request_timeout") from None
+
+    def _parse(self, kind: str, raw: bytes) -> ParsedRequest:
+        """JSON, validation, chat template and tokenisation: on the parse pool, never on the loop."""
+        try:
+            data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:  # "[[[[..." nests deeper than the parser's stack
             raise APIError(400, "the request body nests too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return data
+        return protocol.parse_request(kind, data, self.generator, model_name=self.model_name,
+                                      speculation=self.speculation)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise protocol.api_error_from(ShuttingDown("the server is shutting down; retry on another instance "
+                                                       "or after the restart"))
 
     # ----------------------------------------------------------------- routes
     async def health(self, request: Request) -> JSONResponse:
@@ -143,15 +197,18 @@ class _Server:
 
     async def _complete(self, request: Request, kind: str):
         self._authorize(request)
-        body = await self._json_body(request)
-        req = protocol.parse_request(kind, body, self.generator, model_name=self.model_name,
-                                     speculation=self.speculation)
-        job = Job(asyncio.get_running_loop(), req.prompt_ids, req.config, name=req.id)
+        self._refuse_if_draining()
+        raw = await self._body(request)
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self.parse_pool, self._parse, kind, raw)
+        job = Job(loop, req.prompt_ids, req.config, name=req.id)
         try:
             self.worker.submit(job)
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry shortly", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown as exc:
+            raise protocol.api_error_from(exc) from None
         headers = {"x-request-id": req.id}
         if req.stream:
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -214,8 +271,12 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _error_response(protocol.api_error_from(exc))
+    err = protocol.api_error_from(exc)
+    if isinstance(exc, SpecedgeError):  # a typed failure (a broken bundle template...): one line, no traceback
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+    else:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error_response(err)
 
 
 def create_app(generator: Generator, *, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
@@ -245,6 +306,7 @@ def create_app(generator: Generator, *, api_key: str | None = None, queue_size: 
             await asyncio.to_thread(_warmup, generator)
         yield
         await asyncio.to_thread(server.worker.stop)
+        server.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
@@ -265,6 +327,8 @@ def _warmup(generator: Generator) -> None:
     t0 = time.perf_counter()
     generator.warmup()
     if generator.codec.chat_template:
-        with contextlib.suppress(Exception):  # a template that rejects this probe still compiled
+        try:
             generator.codec.render_chat([{"role": "user", "content": "hi"}])
+        except SpecedgeError as exc:  # the template rejects this probe, or is broken: chat requests will say so
+            log.warning("chat template probe: %s", exc)
     log.info("warm-up done in %.2f s", time.perf_counter() - t0)

@@ -21,15 +21,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
+from ..errors import ChatTemplateError, ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..manifest import DRAFTERS
 from ..runtime.generator import GenerationConfig, GenerationResult
+from .worker import ShuttingDown
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; greedy is temperature=0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions endpoint's documented default
+SHUTDOWN_RETRY_AFTER_S = 5  # what a 503 during shutdown suggests: long enough for a restart to begin
 MAX_STOP_STRINGS = 16  # each stop string is searched for after every block; bound the work per block
 # keys of the `specedge` request extension
-SPECEDGE_FIELDS = ("speculation", "drafter", "draft_tokens", "max_latency_s", "draft_window")
+SPECEDGE_FIELDS = ("speculation", "drafter", "draft_tokens", "max_latency_s", "draft_window", "allow_special_tokens")
 
 # Parameters specedge does not implement, accepted only at the value that means "off",
 # so frameworks that always send them (Pipecat, LiveKit) work unchanged.
@@ -89,13 +91,11 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         return APIError(400, str(exc), code="invalid_parameter")
-    try:  # a chat template's raise_exception(): the messages break the model's own rules
-        from jinja2.exceptions import TemplateError
-    except ImportError:  # pragma: no cover - jinja2 is a core dependency
-        TemplateError = ()  # noqa: N806
-    if TemplateError and isinstance(exc, TemplateError):
-        return APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
-                        code="invalid_messages")
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down",
+                        headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+    if isinstance(exc, ChatTemplateError):  # the bundle's template, not the messages: not the client's fault
+        return APIError(500, str(exc), type="server_error", code="bundle_error")
     if isinstance(exc, SpecedgeError):
         return APIError(500, str(exc), type="server_error", code="generation_failed")
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
@@ -218,7 +218,9 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
     speculation = _bool(ext, "speculation", server_speculation)
     if speculation and not server_speculation:
         raise _bad("specedge.speculation", "speculation is off on this server (started with --no-speculation)")
-    out: dict[str, Any] = {"speculation": speculation}
+    # Control-token text in messages becomes control tokens only on request (OpenAI: never).
+    out: dict[str, Any] = {"speculation": speculation,
+                           "allow_special_tokens": _bool(ext, "allow_special_tokens", False)}
     drafter = ext.get("drafter")
     if drafter is not None:
         if drafter not in DRAFTERS:
@@ -336,16 +338,17 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
     max_tokens = _int(body, "max_completion_tokens", minimum=1) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1)
+    ext = body.get("specedge")
+    allow_special = isinstance(ext, dict) and ext.get("allow_special_tokens") is True
     try:
         ids = _prompt_ids(body, generator) if not chat else \
-            generator.encode_prompt(messages=_messages(body))
+            generator.encode_prompt(messages=_messages(body), allow_special_tokens=allow_special)
     except APIError:
         raise
-    except Exception as exc:  # InvalidParameterError, ContextOverflowError, a template's raise_exception
+    except SpecedgeError as exc:  # InvalidParameterError, ContextOverflowError, the template's raise_exception
         err = api_error_from(exc)
-        if err.status >= 500:
-            raise
-        err.param = "messages" if chat else "prompt"
+        if err.status < 500:
+            err.param = "messages" if chat else "prompt"
         raise err from None
     if max_tokens is None:
         max_tokens = generator.max_context - len(ids) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -357,8 +360,9 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
 
 # ----------------------------------------------------------------------------- responses
 def finish_reason(result: GenerationResult) -> str:
-    # "cancelled" reaches nobody (the client left), so only OpenAI's two values go out.
-    return "length" if result.finish_reason == "length" else "stop"
+    # Only OpenAI's two values go out. "cancelled" reaches a client only when a shutdown cut its
+    # reply short: the text is a truncated answer, which is what "length" tells a client.
+    return "stop" if result.finish_reason == "stop" else "length"
 
 
 def usage(result: GenerationResult) -> dict:

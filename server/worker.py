@@ -32,6 +32,10 @@ class QueueFull(Exception):
     """Every waiting slot is taken; the request is refused (HTTP 429)."""
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down: the request was refused or dropped from the queue (HTTP 503)."""
+
+
 class Job:
     """One admitted request: what to generate, and the channel its events go back on."""
 
@@ -88,6 +92,7 @@ class GenerationWorker:
         self._running: Job | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False  # shutting down: refuse new jobs, finish (or cut) the running one
         # Counters for /health; only ever incremented, under _cond.
         self.counters = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0, "failed": 0}
 
@@ -99,6 +104,30 @@ class GenerationWorker:
             self._stopping = False
             self._thread = threading.Thread(target=self._serve, name="specedge-worker", daemon=True)
             self._thread.start()
+
+    def drain(self) -> None:
+        """Begin a graceful shutdown: refuse new jobs, answer every waiting one with ShuttingDown.
+
+        The running job keeps going; ``cut_running()`` stops it at its next block boundary.
+        """
+        with self._cond:
+            self._draining = True
+            waiting = list(self._pending)
+            self._pending.clear()
+            self.counters["cancelled"] += len(waiting)
+        for job in waiting:
+            job._cancel()
+            job._emit("error", ShuttingDown("the server is shutting down; this request was not started"))
+
+    def cut_running(self) -> None:
+        """Stop the running job at its next block boundary (the end of the shutdown grace period).
+
+        Its client still gets what was generated, with finish_reason "length".
+        """
+        with self._cond:
+            job = self._running
+        if job is not None:
+            job._cancel()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel what is running, refuse what waits, and join the thread."""
@@ -112,7 +141,7 @@ class GenerationWorker:
             thread = self._thread
         for job in waiting:
             job._cancel()
-            job._emit("error", RuntimeError("the server is shutting down"))
+            job._emit("error", ShuttingDown("the server is shutting down; this request was not started"))
         if thread is not None:
             thread.join(timeout)
 
@@ -121,6 +150,8 @@ class GenerationWorker:
         """Queue a job behind the ones already waiting; raise QueueFull when every slot is taken."""
         self.start()
         with self._cond:
+            if self._draining or self._stopping:
+                raise ShuttingDown("the server is shutting down")
             # Count the running job too, so the moment the worker takes a job from the
             # queue (under this lock) never changes whether the next request fits.
             admitted = len(self._pending) + (self._running is not None)
@@ -146,7 +177,7 @@ class GenerationWorker:
 
     def status(self) -> dict:
         with self._cond:
-            return {"busy": self._running is not None, "waiting": len(self._pending),
+            return {"busy": self._running is not None, "waiting": len(self._pending), "draining": self._draining,
                     "queue_size": self.queue_size, **self.counters}
 
     # ----------------------------------------------------------------- the thread
@@ -171,6 +202,8 @@ class GenerationWorker:
         """Generate one job, streaming its deltas; return the counter it lands in."""
         job.started_at = time.perf_counter()
         if job.cancelled:
+            if self._draining:  # cut by a shutdown before its first step: its client is still waiting
+                job._emit("error", ShuttingDown("the server is shutting down; this request was not started"))
             return "cancelled"
         try:
             stream = self.generator.stream(input_ids=job.prompt_ids, config=job.config)

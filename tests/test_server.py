@@ -572,13 +572,20 @@ def test_serve_command_passes_its_options_to_the_app(gen, monkeypatch):
 
     from specedge.cli.main import main
 
+    from specedge.server import serving
+
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(serving.SpecedgeServer, "run", lambda self, sockets=None: ran.update(
+        app=self.config.app, host=self.config.host, port=self.config.port, grace=self.grace_s, config=self.config))
     result = CliRunner().invoke(main, ["serve", str(gen.bundle), "--port", "8123", "--api-key", "k1",
                                        "--queue-size", "3", "--max-body-bytes", "999", "--model-name", "m",
-                                       "--no-speculation", "--no-warmup"], catch_exceptions=False)
+                                       "--no-speculation", "--no-warmup", "--shutdown-grace", "7"],
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert (ran["host"], ran["port"]) == ("127.0.0.1", 8123)  # loopback unless told otherwise
+    # uvicorn waits for connections longer than the app's grace, so a cut reply still gets its last chunks
+    assert ran["grace"] == 7.0 and ran["config"].timeout_graceful_shutdown > 7
+    assert ran["config"].limit_concurrency == serving.MAX_CONNECTIONS
     server = ran["app"].state.server
     assert (server.api_key, server.worker.queue_size, server.max_body_bytes, server.model_name) == ("k1", 3, 999, "m")
     assert server.speculation is False and server.generator.draft is None  # the baseline loads no draft
