@@ -95,8 +95,9 @@ class _Server:
     """The route handlers, closed over one generator and one worker."""
 
     def __init__(self, generator: Generator, *, api_key: str | None, queue_size: int, max_body_bytes: int,
-                 model_name: str, speculation: bool) -> None:
+                 model_name: str, speculation: bool, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.generator = generator
+        self.body_timeout_s = body_timeout_s
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_name = model_name
@@ -145,9 +146,9 @@ class _Server:
             return bytes(body)
 
         try:
-            return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+            return await asyncio.wait_for(read(), self.body_timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s (is Content-Length "
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s (is Content-Length "
                                 "larger than the body?)", code="request_timeout") from None
 
     def _parse(self, kind: str, raw: bytes) -> ParsedRequest:
@@ -281,7 +282,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(generator: Generator, *, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
-               speculation: bool = True, warmup: bool = True) -> Starlette:
+               speculation: bool = True, warmup: bool = True, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
     """An OpenAI-compatible app serving ``generator``.
 
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <api_key>``.
@@ -291,13 +292,15 @@ def create_app(generator: Generator, *, api_key: str | None = None, queue_size: 
     ``speculation``: False forces plain decoding for every request (the baseline).
     ``warmup``: run every session once at startup (``Generator.warmup()``), so the
     first request pays no session setup.
+    ``body_timeout_s``: a request body must arrive within this (408 otherwise).
     """
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1; got {max_body_bytes!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string or None")
     server = _Server(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
-                     model_name=model_name or generator.bundle.name, speculation=speculation)
+                     model_name=model_name or generator.bundle.name, speculation=speculation,
+                     body_timeout_s=body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

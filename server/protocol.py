@@ -148,12 +148,13 @@ def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = 
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def _bool(body: dict, name: str, default: bool, *, where: str | None = None) -> bool:
     value = body.get(name)
+    where = where or name
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(name, f"{name} must be true or false; got {value!r}")
+        raise _bad(where, f"{where} must be true or false; got {value!r}")
     return value
 
 
@@ -220,7 +221,8 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
         raise _bad("specedge.speculation", "speculation is off on this server (started with --no-speculation)")
     # Control-token text in messages becomes control tokens only on request (OpenAI: never).
     out: dict[str, Any] = {"speculation": speculation,
-                           "allow_special_tokens": _bool(ext, "allow_special_tokens", False)}
+                           "allow_special_tokens": _bool(ext, "allow_special_tokens", False,
+                                                         where="specedge.allow_special_tokens")}
     drafter = ext.get("drafter")
     if drafter is not None:
         if drafter not in DRAFTERS:
