@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
+from .graphfile import read_graph_facts
 
 FORMAT_NAME = "specedge-bundle"
 # 2: graphs implement sliding-window attention and models record it (attention_windows).
@@ -497,7 +498,42 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
             if digest != meta["sha256"]:
                 raise ChecksumError(f"bundle file {rel!r} has sha256 {digest[:16]}… but the manifest records "
                                     f"{meta['sha256'][:16]}… (corrupt or tampered); re-export the bundle")
+    check_graph_files(root, manifest)
     return manifest
+
+
+# Initializers holding one row per position, as export/graph.py names them: the fused-GQA
+# graph's rotary table and GPT-2's learned position embeddings. A position past their rows
+# fails inside ONNX Runtime mid-generation, so max_context must not exceed them.
+POSITION_TABLES = ("cos_cache", "pos_embed")
+
+
+def check_graph_files(bundle: Path, manifest: Manifest) -> None:
+    """Every file a graph makes ONNX Runtime open is one the manifest lists (and so checksums),
+    and the graph has positions for the manifest's whole max_context.
+
+    Reads each graph's protobuf for its tensors' external_data locations (graphfile.py); no
+    weights are loaded. An unlisted location would let a file outside the integrity check
+    (its bytes never hashed) supply weights.
+    """
+    for role, entry in manifest.models().items():
+        facts = read_graph_facts(resolve_inside(bundle, entry.graph))
+        folder = PurePosixPath(entry.graph.replace("\\", "/")).parent
+        for location in sorted(facts.external_locations):
+            where = f"{entry.graph}'s external_data location {_show(location)}"
+            if location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
+                raise UnsafePathError(f"{where} is an absolute path; a bundle graph reads only files beside it")
+            rel = _relpath(str(folder / location.replace("\\", "/")), where)
+            resolve_inside(bundle, rel)
+            if rel not in entry.data_files:
+                raise ChecksumError(f"{where} names {rel!r}, which models.{role}.data_files does not list, so no "
+                                    "checksum covers it (tampered bundle?); re-export the bundle")
+        for table in POSITION_TABLES:
+            dims = facts.initializer_dims.get(table)
+            if dims and dims[0] < entry.max_context:
+                raise ManifestError(f"manifest field 'models.{role}.max_context' is {entry.max_context} but "
+                                    f"{entry.graph} was built for {dims[0]} positions (its {table!r} table); "
+                                    f"lower max_context to at most {dims[0]} or re-export with --max-context")
 
 
 def write_manifest(bundle: Path, manifest: Manifest) -> Path:

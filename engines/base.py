@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import ContextOverflowError, InvalidParameterError
+from ..errors import ContextOverflowError, InvalidParameterError, NonFiniteLogitsError
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -46,6 +46,21 @@ class EngineOptions:
         if self.graph_optimization not in GRAPH_OPT_LEVELS:
             raise InvalidParameterError(f"graph_optimization must be one of {', '.join(GRAPH_OPT_LEVELS)}; "
                                         f"got {self.graph_optimization!r}")
+
+
+def check_finite_logits(logits: np.ndarray, graph: str, bundle: str) -> None:
+    """Raise NonFiniteLogitsError when ``logits`` (float32 ``[rows, vocab]``) hold NaN or inf.
+
+    Engines call this on a sequence's first forward (from an empty cache: every warm-up and
+    every prefill), where it costs one pass over ``rows * vocab`` floats. NaN weights
+    otherwise decode silently: greedy argmax picks token 0 (an empty reply) and sampling
+    garbage. Later steps are not checked: the first one already runs every weight.
+    """
+    if not np.isfinite(logits).all():
+        bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
+        raise NonFiniteLogitsError(f"bundle {bundle}: {graph} produced {bad} NaN or infinite logits on its first "
+                                   "step: its weights are corrupt (or overflow their precision); re-export the "
+                                   "bundle")
 
 
 KV_LAYOUTS = ("position-major", "head-major")

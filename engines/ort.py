@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidParameterError, ModelLoadError
 from ..manifest import ModelEntry
-from .base import EngineOptions, KVCache
+from .base import EngineOptions, KVCache, check_finite_logits
 
 _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                  "tensorrt": "TensorrtExecutionProvider"}
@@ -56,6 +56,14 @@ def session_providers(provider: str, provider_options: dict | None = None,
     return [chosen, "CPUExecutionProvider"]
 
 
+def _bundle_of(graph_path: Path, graph_rel: str) -> Path:
+    """The bundle folder: ``graph_path`` minus the manifest's relative ``graph_rel`` (for messages)."""
+    folder = Path(graph_path)
+    for _ in Path(graph_rel).parts:
+        folder = folder.parent
+    return folder
+
+
 class OrtEngine:
     """Runs one bundle model through an ``onnxruntime.InferenceSession``."""
 
@@ -65,6 +73,7 @@ class OrtEngine:
 
         check_provider(options.provider)
         self.entry = entry
+        self._bundle = str(_bundle_of(graph_path, entry.graph))
         self.options = options
         self.vocab_size = entry.vocab_size
         self.max_context = entry.max_context
@@ -155,6 +164,8 @@ class OrtEngine:
         else:
             logits = self._run_plain(ids, positions, keep, kv, start, n)
         kv.length = start + n
+        if start == 0:  # a sequence's first step (warm-up, prefill): corrupt weights surface here
+            check_finite_logits(logits[0], self.entry.graph, self._bundle)
         return logits[0]
 
     def _run_bound(self, ids, positions, keep, kv: KVCache, start: int, n: int, num_logits: int) -> np.ndarray:

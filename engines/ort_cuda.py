@@ -46,7 +46,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError
 from ..manifest import ModelEntry, resolve_inside
-from .base import EngineOptions, KVCache
+from .base import EngineOptions, KVCache, check_finite_logits
 from .device import ALIGNMENT, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
 from .ort import OrtEngine, check_provider
 from .providers import preload_tensorrt_libs
@@ -227,10 +227,15 @@ class OrtCudaEngine(OrtEngine):
         if not isinstance(kv, DeviceKVCache) or kv.device != self._device:
             raise InvalidParameterError("OrtCudaEngine.forward needs the cache from its own new_cache()")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
+        first = kv.length == 0
         if 0 < ids.shape[0] <= self.static_steps:  # decode, draft and verify steps; prefill stays dynamic
             kv.reserve(int(ids.shape[0]))
-            return self._run_static(ids, kv, max(1, min(num_logits, int(ids.shape[0]))))
-        return forward_in_chunks(self._run_device, ids, kv, num_logits, self.max_tokens)
+            logits = self._run_static(ids, kv, max(1, min(num_logits, int(ids.shape[0]))))
+        else:
+            logits = forward_in_chunks(self._run_device, ids, kv, num_logits, self.max_tokens)
+        if first:  # a sequence's first step (warm-up, prefill): corrupt weights surface here
+            check_finite_logits(logits, self.entry.graph, self._bundle)
+        return logits
 
     def _staging_for(self, n: int) -> tuple[CacheBlock, int] | None:
         """The staging block, grown to ``n`` rows per layer (once per new largest n; prefill sizes it)."""
