@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -39,6 +41,9 @@ PRECISIONS = ("fp32", "fp16", "int4", "int8")
 ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
 KV_DTYPES = ("float32", "float16")
 DRAFTERS = ("none", "model", "ngram", "composite")
+# Keys of `extra` the runtime reads (everything else there is informational).
+COST_PROFILE_KEY = "cost_profile"  # measured step costs (runtime/profile.py writes it)
+BATCH_VARIANCE_KEY = "batch_variance"  # role -> max |verify - step| logit difference (export writes it)
 
 # Reading 1 MiB at a time keeps hashing a 1 GB weight file at disk speed without holding it in RAM.
 _HASH_CHUNK = 1 << 20
@@ -256,8 +261,12 @@ def _parse_io(obj: dict[str, Any], where: str) -> ModelIO:
     for key in asdict(defaults):
         values[key] = _get(obj, key, where, str, optional=True, default=getattr(defaults, key))
     for key in ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value"):
-        if values[key].count("%d") != 1:
-            raise ManifestError(f"manifest field '{where}.{key}' must contain exactly one '%d' (layer index)")
+        # A printf pattern, formatted as pattern % layer: exactly one %d conversion, and '%'
+        # otherwise only as '%%' ("%%d" is a literal "%d", and "%s%d" takes two arguments).
+        conversions = re.findall(r"%(.?)", values[key])
+        if conversions.count("d") != 1 or any(c not in ("d", "%") for c in conversions):
+            raise ManifestError(f"manifest field '{where}.{key}' must contain exactly one '%d' (layer index), "
+                                f"and '%' only as '%%'; got {_show(values[key])}")
     return ModelIO(**values)
 
 
@@ -397,9 +406,49 @@ def parse_manifest(obj: Any) -> Manifest:
     return Manifest(
         target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=dict(files),
         created_by=_get(obj, "created_by", "", str, optional=True, default=""),
-        extra=_get(obj, "extra", "", dict, optional=True, default={}),
+        extra=_parse_extra(_get(obj, "extra", "", dict, optional=True, default={})),
         format_version=version,
     )
+
+
+def _finite(value: Any, name: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ManifestError(f"manifest field '{name}' must be a finite number {'> 0' if positive else '>= 0'}, "
+                            f"got {_show(value)}")
+    return float(value)
+
+
+def _parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """Check the parts of ``extra`` the runtime reads; the rest stays free-form."""
+    variance = extra.get(BATCH_VARIANCE_KEY)
+    if variance is not None:
+        if not isinstance(variance, dict):
+            raise ManifestError(f"manifest field 'extra.{BATCH_VARIANCE_KEY}' must be an object of role -> number, "
+                                f"got {_show(variance)}")
+        for role, value in variance.items():
+            _finite(value, f"extra.{BATCH_VARIANCE_KEY}.{role}")
+    profile = extra.get(COST_PROFILE_KEY)
+    if profile is not None:
+        where = f"extra.{COST_PROFILE_KEY}"
+        if not isinstance(profile, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object, got {_show(profile)}")
+        _get(profile, "machine", where, dict)
+        steps = _get(profile, "target_s", where, dict)
+        for n, seconds in steps.items():
+            if not (isinstance(n, str) and n.isdigit() and 1 <= int(n) <= 65):  # verify lengths 1..max_draft+1
+                raise ManifestError(f"manifest field '{where}.target_s' has key {_show(n)}; keys are verify "
+                                    "lengths '1'..'65'")
+            _finite(seconds, f"{where}.target_s.{n}", positive=True)
+        if "1" not in steps:
+            raise ManifestError(f"manifest field '{where}.target_s' lacks '1' (the plain step every profile has)")
+        for key in ("draft_token_s", "draft_catchup_token_s"):
+            if profile.get(key) is not None:
+                _finite(profile[key], f"{where}.{key}", positive=True)
+        context = _get(profile, "context", where, int, optional=True, default=0)
+        if context < 0:
+            raise ManifestError(f"manifest field '{where}.context' must be >= 0, got {context}")
+    return extra
 
 
 def check_vocab_compatible(target: ModelEntry, draft: ModelEntry) -> None:

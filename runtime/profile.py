@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import MANIFEST_FILE
+from ..manifest import COST_PROFILE_KEY, MANIFEST_FILE
 
-PROFILE_KEY = "cost_profile"
+PROFILE_KEY = COST_PROFILE_KEY  # defined once, with the manifest schema that validates it
 # 10 timed repeats after 2 warm-up runs: medians over 10 settle within a few % on a noisy
 # 2-core box, and the whole profile stays under ~30 s for a 1.5B int4 target.
 _REPEATS = 10

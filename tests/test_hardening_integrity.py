@@ -127,3 +127,54 @@ def test_a_max_context_beyond_the_graphs_positions_is_refused_at_load(arch_bundl
     obj["models"]["target"]["max_context"] = built // 2  # fewer than built is fine: a smaller cache
     path.write_text(json.dumps(obj))
     load_manifest(bundle)
+
+
+# --------------------------------------------------------------------------- manifest fields the runtime reads
+@pytest.mark.parametrize("pattern", ["past_key.%%d", "past_key.%s.%d", "past_key.%d.%d", "past_key.%", "past_key"])
+def test_an_io_pattern_that_is_not_one_layer_index_is_a_manifest_error(llama_bundle, pattern):
+    """Issue 20: "%%d" passed the old count("%d") check and then failed with a TypeError."""
+    from specedge.manifest import parse_manifest
+
+    obj = json.loads((llama_bundle / "manifest.json").read_text())
+    obj["models"]["target"].setdefault("io", {})["past_key"] = pattern
+    with pytest.raises(ManifestError, match=r"'models.target.io.past_key' must contain exactly one '%d'"):
+        parse_manifest(obj)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"batch_variance": [1, 2]}, r"'extra.batch_variance' must be an object"),
+    ({"batch_variance": {"target": "big"}}, r"'extra.batch_variance.target' must be a finite number >= 0"),
+    ({"batch_variance": {"target": -1.0}}, r"'extra.batch_variance.target' must be a finite number >= 0"),
+    ({"cost_profile": "fast"}, r"'extra.cost_profile' must be an object"),
+    ({"cost_profile": {"target_s": {"1": 0.01}}}, r"'extra.cost_profile.machine' is missing"),
+    ({"cost_profile": {"machine": {}, "target_s": {"x": 0.01}}}, r"has key 'x'; keys are verify lengths"),
+    ({"cost_profile": {"machine": {}, "target_s": {"1": "slow"}}}, r"'extra.cost_profile.target_s.1' must be a"),
+    ({"cost_profile": {"machine": {}, "target_s": {"2": 0.01}}}, r"lacks '1'"),
+    ({"cost_profile": {"machine": {}, "target_s": {"1": 0.01}, "draft_token_s": [0]}},
+     r"'extra.cost_profile.draft_token_s' must be a finite number > 0"),
+    ({"cost_profile": {"machine": {}, "target_s": {"1": 0.01}, "context": True}},
+     r"'extra.cost_profile.context' must be an integer"),
+], ids=["variance-list", "variance-str", "variance-negative", "profile-str", "profile-no-machine", "profile-bad-key",
+        "profile-bad-time", "profile-no-step", "profile-bad-draft", "profile-bool-context"])
+def test_malformed_extras_the_runtime_reads_are_manifest_errors(llama_bundle, tmp_path, extra, match):
+    """Issue 20: a malformed cost_profile or batch_variance gave AttributeError/ValueError at load."""
+    from specedge.runtime.generator import Generator
+
+    bundle = _copy(llama_bundle, tmp_path)
+    path = bundle / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["extra"].update(extra)
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(bundle)
+    with pytest.raises(ManifestError, match=match):
+        Generator.from_bundle(bundle, threads=1)
+
+
+def test_a_measured_profile_round_trips(llama_bundle, tmp_path):
+    from specedge.runtime.generator import Generator
+
+    bundle = _copy(llama_bundle, tmp_path)
+    gen = Generator.from_bundle(bundle, threads=1)
+    gen.tune(save=True, context=16)
+    assert load_manifest(bundle).extra["cost_profile"]["target_s"]["1"] > 0
