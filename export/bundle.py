@@ -22,6 +22,7 @@ from .. import __version__
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
                         write_manifest)
+from .leftovers import is_stale, pid_after
 
 SELF_DRAFTS = ("self-int4", "self-int8")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -224,11 +225,42 @@ def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:
         eos_token=tokenizer.eos_token, add_bos_token=add_bos)
 
 
+def clean_stale_siblings(out: Path) -> list[Path]:
+    """Remove ``.OUT.partial-PID`` / ``.OUT.old-PID`` folders that killed exports left; return them.
+
+    A stale ``.old`` while ``out`` is missing is the bundle a killed export had set aside in
+    the middle of its swap, the only complete copy: it is moved back to ``out``, not deleted.
+    """
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for kind in ("old", "partial"):  # old first: a restored bundle must not be mistaken for a leftover
+        prefix = f".{out.name}.{kind}-"
+        for path in sorted(out.parent.glob(f"{glob_escape(prefix)}*")):
+            pid = pid_after(path.name, prefix)
+            if pid is None or not is_stale(path, pid):
+                continue
+            if kind == "old" and not out.exists() and (path / "manifest.json").is_file():
+                os.replace(path, out)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    """``text`` with glob metacharacters escaped (a bundle name may contain '[')."""
+    import glob
+
+    return glob.escape(text)
+
+
 def export_bundle(config: ExportConfig) -> Manifest:
     """Run the whole export; return the manifest of the bundle written to ``config.out``."""
     from .loader import load_source
 
     out = Path(config.out)
+    clean_stale_siblings(out)  # first: it may put back a bundle a killed export had set aside
     if out.exists() and not config.overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     # --overwrite replaces a bundle, never an arbitrary folder (`--out . --overwrite` must not wipe it).

