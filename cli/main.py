@@ -20,15 +20,43 @@ DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, ch
                "figs, grapes. Then say which of them is red.")
 
 
+EXIT_BAD_INPUT = 2  # a typed error or a usage error, as the README promises
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+
+def _usage_error(exc: click.UsageError) -> None:
+    """click's usage errors as the same one line as every other bad input (not click's Usage: block)."""
+    where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+    click.secho(f"error: {exc.format_message()}{where}", fg="red", err=True)
+    raise click.exceptions.Exit(EXIT_BAD_INPUT)
+
+
 class _Group(click.Group):
-    """Turn specedge's typed errors into one clear line and exit code 2, never a traceback."""
+    """Turn specedge's typed errors and click's usage errors into one clear line and exit code 2,
+    and Ctrl-C outside a command's own handling into "error: interrupted" and exit code 130;
+    never a traceback."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # bare `specedge`: click prints the help
+        except click.UsageError as exc:  # an unknown option or command before the subcommand
+            _usage_error(exc)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except SpecedgeError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
-            ctx.exit(2)
+            ctx.exit(EXIT_BAD_INPUT)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:  # a subcommand's missing or invalid option
+            _usage_error(exc)
+        except KeyboardInterrupt:  # export/fetch/tune clean up on their way out; generate handles its own
+            click.secho("error: interrupted", fg="red", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

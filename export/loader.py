@@ -7,6 +7,8 @@ never set: only architectures transformers ships are loaded.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import os
 import shutil
@@ -97,6 +99,23 @@ def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
     return out, f"gguf:{path.name}"
 
 
+@contextlib.contextmanager
+def _library_progress_off(quiet: bool):
+    """transformers' own progress bars ("Loading weights") off while ``quiet``, restored after."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,9 +137,10 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
         raise ExportError(f"{path} has no weights (*.safetensors)")
     _log(f"loading {description}", quiet)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                     use_safetensors=has_safetensors or not trust_pickle,
-                                                     trust_remote_code=False)
+        with _library_progress_off(quiet):
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                         use_safetensors=has_safetensors or not trust_pickle,
+                                                         trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ExportError(f"transformers could not load {path}: {exc}") from None
