@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 
+from ..errors import SpecedgeError
 from ..runtime.generator import GenerationConfig, Generator, TextStream
 
 log = logging.getLogger("specedge.server")
@@ -215,7 +216,10 @@ class GenerationWorker:
                     stream.cancel()
             result = stream.result
         except Exception as exc:  # reported to its client; the worker serves the next job
-            log.exception("generation %s failed", job.name)
+            if isinstance(exc, SpecedgeError):  # a typed failure (corrupt weights...): one line, no traceback
+                log.error("generation %s failed: %s", job.name, exc)
+            else:
+                log.exception("generation %s failed", job.name)
             job._emit("error", exc)
             return "failed"
         job._emit("done", result)

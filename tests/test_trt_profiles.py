@@ -54,7 +54,9 @@ def _fake_bundle(root: Path, precision: str = "fp32", engines: dict | None = Non
     """A bundle whose files exist with the right checksums but hold no real graph (guards only)."""
     (root / "target").mkdir(parents=True)
     (root / "tokenizer.json").write_text("{}")
-    (root / "target" / "model.onnx").write_bytes(b"not a graph")
+    # Empty bytes: a well-formed (empty) ONNX protobuf, so the loader's graph-file check passes,
+    # but no graph ONNX Runtime could run.
+    (root / "target" / "model.onnx").write_bytes(b"")
     entry = _entry(precision=precision)
     files = {rel: file_record(root / rel) for rel in ("tokenizer.json", "target/model.onnx")}
     write_manifest(root, Manifest(target=entry, tokenizer=TokenizerEntry(config=None, chat_template=None),
