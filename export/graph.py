@@ -45,10 +45,32 @@ _ALIGN = 64
 
 
 @dataclass(frozen=True)
-class DecoderSpec:
-    """Architecture facts the graph needs. Weights are given separately."""
+class RopeTable:
+    """One set of rotary frequencies: cos/sin of ``position * inv_freq``, times ``scaling``.
 
-    architecture: str  # "llama" (llama, qwen2, mistral, smollm) or "gpt2"
+    ``inv_freq`` has rotary_dim / 2 entries; rotary_dim < head_dim is partial rotary (the
+    first rotary_dim channels of each head rotate, the rest pass through, as transformers does).
+    """
+
+    inv_freq: tuple[float, ...]
+    scaling: float = 1.0  # HF's attention_scaling (yarn, longrope): multiplies cos and sin
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Architecture facts the graph needs, one field per feature (no per-family branches in the builder).
+
+    Weights are given separately, by canonical name (export/families/base.py). Which norms a layer
+    has is read from the weights present: ``layers.{i}.attn_norm`` / ``mlp_norm`` (pre-norms),
+    ``layers.{i}.attn_post_norm`` / ``mlp_post_norm`` (post-norms, Gemma 2/3 and OLMo 2),
+    ``layers.{i}.q_norm`` / ``k_norm`` (see ``qk_norm``), each with an optional ``_bias``.
+    """
+
+    architecture: str  # the family's builder name (manifest metadata): "llama", "gpt2", "qwen3", ...
     n_layers: int
     hidden_size: int
     n_heads: int
@@ -58,18 +80,44 @@ class DecoderSpec:
     vocab_size: int
     norm_eps: float
     attn_scale: float
-    inv_freq: tuple[float, ...] = ()  # rotary inverse frequencies [head_dim/2]; empty for gpt2
-    rope_scaling: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
+    inv_freq: tuple[float, ...] = ()  # rotary inverse frequencies [rotary_dim/2] of rope table 0; empty: no rope
+    rope_scaling: float = 1.0  # multiplies cos/sin of table 0 (HF's attention_scaling)
     tied_embeddings: bool = False
-    max_positions: int = 0  # gpt2 learned position table size
-    activation: str = "silu"  # MLP activation (export/features.ACTIVATIONS); gated for the llama family
+    max_positions: int = 0  # learned position table size (gpt2); 0: positions come from rope only
+    activation: str = "silu"  # MLP activation (export/features.ACTIVATIONS)
     # Per layer: sliding-window length W (query p sees keys p-W+1..p, as transformers masks
     # `kv_idx > q_idx - W`), or 0 for full causal attention. Empty: every layer is full.
     layer_windows: tuple[int, ...] = ()
+    norm: str = "rms"  # "rms" (RMSNorm; Gemma's 1 + w is folded into the weight) or "layer" (LayerNorm + bias)
+    mlp: str = "gated"  # "gated": down(act(gate) * up); "plain": down(act(fc)) (gpt2, NeoX, Starcoder2)
+    # q/k normalisation before rotary: "" none, "head" over each head's head_dim (Qwen3, Gemma 3;
+    # a [heads, head_dim] weight is per head, StableLM), "full" over the whole projection (OLMo 2).
+    qk_norm: str = ""
+    parallel_residual: bool = False  # x + attn(norm1 x) + mlp(norm2 x) (GPT-NeoX, StableLM)
+    embed_scale: float = 1.0  # multiplies the token embedding (Gemma sqrt(hidden), Granite embedding_multiplier)
+    residual_scale: float = 1.0  # x + scale * block(x) (Granite residual_multiplier)
+    logit_scale: float = 1.0  # multiplies the logits (Granite 1 / logits_scaling)
+    final_softcap: float = 0.0  # logits = c tanh(logits / c) when > 0 (Gemma 2 final_logit_softcapping)
+    attn_softcap: float = 0.0  # scores = c tanh(scores / c) before the mask when > 0 (Gemma 2)
+    # Further rope tables (index 1, 2, ...; table 0 is inv_freq/rope_scaling) and the table each
+    # layer uses, -1 for no rope (SmolLM3's NoPE layers). Empty layer_rope: every layer uses
+    # table 0 when inv_freq is set, none otherwise.
+    rope_tables: tuple[RopeTable, ...] = ()
+    layer_rope: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window in tokens, 0 for full attention."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def tables(self) -> tuple[RopeTable, ...]:
+        """Every rope table, index = the value in ``layer_rope``."""
+        return ((RopeTable(self.inv_freq, self.rope_scaling),) if self.inv_freq else ()) + self.rope_tables
+
+    def rope(self, layer: int) -> int:
+        """Index of layer ``layer``'s rope table, or -1 when it has none."""
+        if self.layer_rope:
+            return self.layer_rope[layer]
+        return 0 if self.inv_freq else -1
 
 
 @dataclass
@@ -194,97 +242,217 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
                                                             ["past_len", s.n_kv_heads, s.head_dim]))
                 outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type,
                                                              ["new_tokens", s.n_kv_heads, s.head_dim]))
-    if gqa:
-        return _finish(b, s, w, untie_lm_head, inputs, outputs, _gqa_layers(b, s, w, max_context))
 
-    # --- shared per-step tensors -------------------------------------------------
     ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
     pos = b.one("Reshape", ["position_ids", b.ints("shape_flat2", [-1])])  # [n]
     embed = b.weight("embed", w["embed"])
     x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
-    if s.architecture == "gpt2":
+    if s.embed_scale != 1.0:
+        # In the graph's dtype, as transformers scales in the weights' dtype (Gemma's normalizer).
+        x = b.one("Mul", [x, b.scalar("embed_scale", s.embed_scale)])
+    if s.max_positions:
         x = b.one("Add", [x, b.one("Gather", [b.weight("pos_embed", w["pos_embed"]), pos], axis=0)])
-
-    # Causal mask over the cache: key slot j holds position j, so query at position p
-    # may attend to slots 0..p. Built once per step, shared by every layer.
-    n_new = b.one("Gather", [b.one("Shape", ["input_ids"]), b.ints("one_idx", [1])])  # [1]
-    past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
-    total = b.one("Squeeze", [b.one("Add", [past_len, n_new])])
-    key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
-                              b.const("one_i", np.array(1, np.int64))])  # [T]
-    key_row = b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])])  # [1, T]
-    query_col = b.one("Unsqueeze", [pos, b.ints("ax1", [1])])  # [n, 1]
-    causal = b.one("LessOrEqual", [key_row, query_col])  # [n, T]
-    masks: dict[int, str] = {}  # window (0 = full) -> additive mask [n, T], fp32, shared by its layers
-    for window in sorted({s.window(i) for i in range(s.n_layers)}):
-        allowed = causal
-        if window:
-            # Sliding window: the query at position p also drops keys at p - W and earlier.
-            lowest = b.one("Sub", [query_col, b.const(b.name("window"), np.array(window, np.int64))])
-            allowed = b.one("And", [causal, b.one("Greater", [key_row, lowest])])
-        masks[window] = b.one("Where", [allowed, b.const(b.name("zero_f"), np.array(0.0, np.float32)),
-                                        b.const(b.name("neg_inf"), np.array(-np.inf, np.float32))])
-
-    cos = sin = None
-    if s.architecture != "gpt2":
-        inv_freq = b.const("inv_freq", np.asarray(s.inv_freq, np.float32)[None, :])  # [1, hd/2]
-        freqs = b.one("Mul", [b.one("Unsqueeze", [b.one("Cast", [pos], to=TensorProto.FLOAT), b.ints("ax1b", [1])]),
-                              inv_freq])  # [n, hd/2] computed in fp32 for accuracy at long positions
-        emb = b.one("Concat", [freqs, freqs], axis=-1)  # [n, hd]
-        scale = b.const("rope_scale", np.array(s.rope_scaling, np.float32))
-        cos = b.one("Mul", [b.one("Cos", [emb]), scale])
-        sin = b.one("Mul", [b.one("Sin", [emb]), scale])
-        if b.dtype != np.float32:
-            cos = b.one("Cast", [cos], to=kv_type)
-            sin = b.one("Cast", [sin], to=kv_type)
-        cos = b.one("Unsqueeze", [cos, b.ints("ax1c", [1])])  # [n, 1, hd]
-        sin = b.one("Unsqueeze", [sin, b.ints("ax1d", [1])])
-
+    attend = _GqaAttention(b, s, pos, max_context) if gqa else _StandardAttention(b, s, pos)
     for i in range(s.n_layers):
-        x = _layer(b, s, w, i, x, masks[s.window(i)], cos, sin)
+        x = _layer(b, s, w, i, x, attend)
     return _finish(b, s, w, untie_lm_head, inputs, outputs, (x, embed))
 
 
-def _gqa_layers(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], max_context: int) -> tuple[str, str]:
-    """Embedding + decoder layers with fused GroupQueryAttention; returns (hidden [n, hidden], embed)."""
-    h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
-    ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
-    embed = b.weight("embed", w["embed"])
-    x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
-    # Rotary tables for every position the cache can hold, in fp32 then cast: [max_context, hd/2].
-    angles = np.arange(max_context, dtype=np.float64)[:, None] * np.asarray(s.inv_freq, np.float64)[None, :]
-    cos_cache = b.weight("cos_cache", (np.cos(angles) * s.rope_scaling).astype(np.float32))
-    sin_cache = b.weight("sin_cache", (np.sin(angles) * s.rope_scaling).astype(np.float32))
-    for i in range(s.n_layers):
-        p = f"layers.{i}"
-        normed = _norm(b, s, x, w[f"{p}.attn_norm"], None, f"{p}.attn")
-        qkv = _linear(b, normed, w, f"{p}.qkv")
-        q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
-        q, k, v = (b.one("Unsqueeze", [t, b.ints(b.name("ax"), [0])]) for t in (q, k, v))  # [1, n, *]
+def _used_tables(s: DecoderSpec) -> list[int]:
+    return sorted({s.rope(i) for i in range(s.n_layers)} - {-1})
+
+
+class _StandardAttention:
+    """Attention in plain ONNX ops over a position-major cache; rotary and masks computed per step."""
+
+    def __init__(self, b: _Builder, s: DecoderSpec, pos: str) -> None:
+        self.b, self.s = b, s
+        # Causal mask over the cache: key slot j holds position j, so query at position p
+        # may attend to slots 0..p. Built once per step per window, shared by its layers.
+        n_new = b.one("Gather", [b.one("Shape", ["input_ids"]), b.ints("one_idx", [1])])  # [1]
+        past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
+        total = b.one("Squeeze", [b.one("Add", [past_len, n_new])])
+        key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
+                                  b.const("one_i", np.array(1, np.int64))])  # [T]
+        key_row = b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])])  # [1, T]
+        query_col = b.one("Unsqueeze", [pos, b.ints("ax1", [1])])  # [n, 1]
+        causal = b.one("LessOrEqual", [key_row, query_col])  # [n, T]
+        self.masks: dict[int, str] = {}  # window (0 = full) -> additive mask [n, T], fp32
+        for window in sorted({s.window(i) for i in range(s.n_layers)}):
+            allowed = causal
+            if window:
+                # Sliding window: the query at position p also drops keys at p - W and earlier.
+                lowest = b.one("Sub", [query_col, b.const(b.name("window"), np.array(window, np.int64))])
+                allowed = b.one("And", [causal, b.one("Greater", [key_row, lowest])])
+            self.masks[window] = b.one("Where", [allowed, b.const(b.name("zero_f"), np.array(0.0, np.float32)),
+                                                 b.const(b.name("neg_inf"), np.array(-np.inf, np.float32))])
+        # cos/sin [n, 1, rotary_dim] per rope table, computed in fp32 for accuracy at long positions.
+        self.rope: dict[int, tuple[str, str]] = {}
+        tables = s.tables()
+        pos_f = b.one("Unsqueeze", [b.one("Cast", [pos], to=TensorProto.FLOAT), b.ints("ax1b", [1])])  # [n, 1]
+        for t in _used_tables(s):
+            inv_freq = b.const(b.name("inv_freq"), np.asarray(tables[t].inv_freq, np.float32)[None, :])
+            freqs = b.one("Mul", [pos_f, inv_freq])  # [n, rd/2]
+            emb = b.one("Concat", [freqs, freqs], axis=-1)  # [n, rd]
+            scale = b.const(b.name("rope_scale"), np.array(tables[t].scaling, np.float32))
+            cos, sin = (b.one("Mul", [b.one(op, [emb]), scale]) for op in ("Cos", "Sin"))
+            if b.dtype != np.float32:
+                cos, sin = (b.one("Cast", [c], to=_ONNX_DTYPE[b.dtype]) for c in (cos, sin))
+            self.rope[t] = tuple(b.one("Unsqueeze", [c, b.ints(b.name("ax1c"), [1])]) for c in (cos, sin))
+
+    def __call__(self, w: dict[str, np.ndarray], i: int, q: str, k: str, v: str) -> str:
+        """q [n, H*hd], k/v [n, kvh*hd] (projected) -> attention output [n, H*hd]; writes new_key/value.i."""
+        b, s = self.b, self.s
+        h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
+        group = h // kvh
+        kv_type = _ONNX_DTYPE[b.dtype]
+        table = s.rope(i)
+        rope = self.rope.get(table)
+        rd = s.tables()[table].rotary_dim if rope else 0
+        q = _heads(b, s, w, f"layers.{i}.q_norm", q, h)
+        if rope:
+            q = _rotate(b, q, *rope, rd, hd)
+        # The new K/V are graph outputs by name (no Identity nodes: ORT keeps those as real copies).
+        k = _heads(b, s, w, f"layers.{i}.k_norm", k, kvh, out=None if rope else f"new_key.{i}")
+        if rope:
+            k = _rotate(b, k, *rope, rd, hd, out=f"new_key.{i}")
+        v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=f"new_value.{i}")
+
+        k_all = b.one("Concat", [f"past_key.{i}", k], axis=0)  # [T, kvh, hd]
+        v_all = b.one("Concat", [f"past_value.{i}", v], axis=0)
+        # GQA without repeating K/V: query head h uses kv head h // group, so view the
+        # queries as [kvh, group, n, hd] and broadcast K/V over the group axis.
+        q = b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, group, hd])])  # [n, kvh, g, hd]
+        q = b.one("Transpose", [q], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
+        q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])
+        k_t = b.one("Unsqueeze", [b.one("Transpose", [k_all], perm=[1, 2, 0]), b.ints(b.name("ax"), [1])])
+        scores = b.one("MatMul", [q, k_t])  # [kvh, g, n, T]
+        if b.dtype != np.float32:
+            # Softmax in fp32: fp16 exp() of large score gaps loses the tail mass.
+            scores = b.one("Cast", [scores], to=TensorProto.FLOAT)
+        if s.attn_softcap:
+            scores = _softcap(b, scores, s.attn_softcap)  # before the mask, as transformers does
+        probs = b.one("Softmax", [b.one("Add", [scores, self.masks[s.window(i)]])], axis=-1)  # [kvh, g, n, T]
+        if b.dtype != np.float32:
+            probs = b.one("Cast", [probs], to=kv_type)
+        v_t = b.one("Unsqueeze", [b.one("Transpose", [v_all], perm=[1, 0, 2]), b.ints(b.name("ax"), [1])])
+        attn = b.one("MatMul", [probs, v_t])  # [kvh, g, n, hd]
+        attn = b.one("Transpose", [attn], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
+        return b.one("Reshape", [attn, b.ints(b.name("a_flat"), [0, h * hd])])  # [n, H*hd]
+
+
+# ORT's GroupQueryAttention rotates inside the op only when its cos/sin cache width
+# (rotary_dim / 2) is a multiple of 8 (measured on ORT 1.22-1.23: "cos_cache dimension 1 must be
+# <= head_size / 2 and a multiple of 8"); narrower or odd rotary dims rotate before the op.
+_GQA_ROTARY_MULTIPLE = 8
+
+
+class _GqaAttention:
+    """Attention through ORT's fused GroupQueryAttention over a [1, kvh, max_context, hd] cache."""
+
+    def __init__(self, b: _Builder, s: DecoderSpec, pos: str, max_context: int) -> None:
+        self.b, self.s, self.max_context = b, s, max_context
+        self.fused: dict[int, tuple[str, str]] = {}  # table -> (cos_cache, sin_cache) [max_context, rd/2]
+        self.outside: dict[int, tuple[str, str]] = {}  # table -> (cos, sin) [n, 1, rd], gathered by position
+        positions = np.arange(max_context, dtype=np.float64)[:, None]
+        tables = s.tables()
+        for t in _used_tables(s):
+            table = tables[t]
+            # Rotary tables for every position the cache can hold, in fp64 then cast.
+            angles = positions * np.asarray(table.inv_freq, np.float64)[None, :]  # [max_context, rd/2]
+            if (table.rotary_dim // 2) % _GQA_ROTARY_MULTIPLE == 0:
+                self.fused[t] = (b.weight(b.name("cos_cache"), np.cos(angles) * table.scaling),
+                                 b.weight(b.name("sin_cache"), np.sin(angles) * table.scaling))
+            else:
+                angles = np.concatenate([angles, angles], axis=-1)  # [max_context, rd]
+                self.outside[t] = tuple(
+                    b.one("Unsqueeze", [b.one("Gather", [b.weight(b.name(name), fn(angles) * table.scaling), pos],
+                                              axis=0), b.ints(b.name("ax1r"), [1])])
+                    for name, fn in (("cos_table", np.cos), ("sin_table", np.sin)))
+
+    def __call__(self, w: dict[str, np.ndarray], i: int, q: str, k: str, v: str) -> str:
+        """q [n, H*hd], k/v [n, kvh*hd] (projected) -> attention output [n, H*hd]; writes present_key/value.i."""
+        b, s = self.b, self.s
+        h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
+        table = s.rope(i)
+        outside = self.outside.get(table)
+        if outside or f"layers.{i}.q_norm" in w and s.qk_norm == "head":
+            q = _heads(b, s, w, f"layers.{i}.q_norm", q, h)
+            k = _heads(b, s, w, f"layers.{i}.k_norm", k, kvh)
+            if outside:
+                rd = s.tables()[table].rotary_dim
+                q, k = _rotate(b, q, *outside, rd, hd), _rotate(b, k, *outside, rd, hd)
+        q, k, v = (b.one("Reshape", [t, b.ints(b.name("bnd"), [1, -1, width])])
+                   for t, width in ((q, h * hd), (k, kvh * hd), (v, kvh * hd)))  # [1, n, *]
         # ORT's local_window_size is the number of keys a query sees, its own included: transformers'
         # window W exactly (W - 1 failed validation at the first step past the window).
         # A window that covers the whole cache is no window.
         window = s.window(i)
-        local = {"local_window_size": window} if 0 < window < max_context else {}
+        attrs = {"local_window_size": window} if 0 < window < self.max_context else {}
+        if s.attn_softcap:
+            attrs["softcap"] = s.attn_softcap
+        rope_inputs: list[str] = []
+        if table in self.fused:
+            rope_inputs = list(self.fused[table])
+            attrs.update(do_rotary=1, rotary_interleaved=0)
         attn = b.node("GroupQueryAttention",
                       [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length",
-                       cos_cache, sin_cache],
-                      n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale,
-                      do_rotary=1, rotary_interleaved=0, **local)[0]
+                       *rope_inputs],
+                      n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale, **attrs)[0]
         # GQA's 2nd/3rd outputs are the shared cache buffers; name them as graph outputs.
         b.nodes[-1].output.extend([f"present_key.{i}", f"present_value.{i}"])
-        attn = b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
-        x = b.one("Add", [x, _linear(b, attn, w, f"{p}.o")])
-        normed = _norm(b, s, x, w[f"{p}.mlp_norm"], None, f"{p}.mlp")
-        x = b.one("Add", [x, _linear(b, _gated_mlp(b, s, w, p, normed), w, f"{p}.down")])
-    return x, embed
+        return b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
+
+
+def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, attend) -> str:
+    """One decoder layer: x [n, hidden] -> [n, hidden]. Norms present in ``w`` are applied (see DecoderSpec)."""
+    p = f"layers.{i}"
+    h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
+    normed = _maybe_norm(b, s, w, x, f"{p}.attn_norm")
+    qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
+    q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
+    if s.qk_norm == "full":  # OLMo 2: over the whole projection, before the heads are split
+        q = _norm(b, s, w, q, f"{p}.q_norm")
+        k = _norm(b, s, w, k, f"{p}.k_norm")
+    attn = _maybe_norm(b, s, w, _linear(b, attend(w, i, q, k, v), w, f"{p}.o"), f"{p}.attn_post_norm")
+    if s.parallel_residual:
+        mlp = _mlp(b, s, w, p, _maybe_norm(b, s, w, x, f"{p}.mlp_norm"))
+        return _residual(b, s, x, b.one("Add", [attn, mlp]))
+    x = _residual(b, s, x, attn)
+    return _residual(b, s, x, _mlp(b, s, w, p, _maybe_norm(b, s, w, x, f"{p}.mlp_norm")))
+
+
+def _residual(b: _Builder, s: DecoderSpec, x: str, branch: str) -> str:
+    if s.residual_scale != 1.0:
+        branch = b.one("Mul", [branch, b.scalar(b.name("residual_scale"), s.residual_scale)])
+    return b.one("Add", [x, branch])
+
+
+def _mlp(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], p: str, normed: str) -> str:
+    """The MLP and its post-norm, if any: [n, hidden] -> [n, hidden]."""
+    if s.mlp == "gated":
+        # act(gate) * up, from one fused gate|up GEMM: [n, intermediate].
+        gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
+                                    b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
+        hidden = b.one("Mul", [_activate(b, s.activation, gate), up])
+    else:
+        hidden = _activate(b, s.activation, _linear(b, normed, w, f"{p}.fc"))
+    return _maybe_norm(b, s, w, _linear(b, hidden, w, f"{p}.down"), f"{p}.mlp_post_norm")
+
+
+def _heads(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], norm_key: str, t: str, n_heads: int,
+           out: str | None = None) -> str:
+    """[n, heads*hd] -> [n, heads, hd], with the per-head q/k norm when the spec has one."""
+    per_head = s.qk_norm == "head" and norm_key in w
+    t = b.one("Reshape", [t, b.ints(b.name("heads"), [-1, n_heads, s.head_dim])], out=None if per_head else out)
+    return _norm(b, s, w, t, norm_key, out=out) if per_head else t
 
 
 def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool, inputs: list,
             outputs: list, hidden_and_embed: tuple[str, str]) -> onnx.GraphProto:
-    """Final norm, keep the last num_logits positions, output layer."""
+    """Final norm, keep the last num_logits positions, output layer, logit scaling and soft-capping."""
     x, embed = hidden_and_embed
-    x = _norm(b, s, x, w["norm"], w.get("norm_bias"), "final")
+    x = _norm(b, s, w, x, "norm")
     keep = b.one("Neg", ["num_logits_to_keep"])
     x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]), b.ints("ax0s", [0])])  # [m, hidden]
     if s.tied_embeddings and not untie_lm_head:
@@ -295,14 +463,40 @@ def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head
         logits = b.one("MatMul", [x, b.weight("lm_head", lm_head)])
     if b.dtype != np.float32:
         logits = b.one("Cast", [logits], to=TensorProto.FLOAT)
+    if s.logit_scale != 1.0:
+        logits = b.one("Mul", [logits, b.const("logit_scale", np.array(s.logit_scale, np.float32))])
+    if s.final_softcap:
+        logits = _softcap(b, logits, s.final_softcap)
     b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], ["logits"], name="logits_out"))
     return helper.make_graph(b.nodes, "specedge_decoder", inputs, outputs, b.inits)
 
 
-def _norm(b: _Builder, s: DecoderSpec, x: str, weight: np.ndarray, bias: np.ndarray | None, tag: str) -> str:
-    if s.architecture == "gpt2":
-        return b.one("LayerNormalization", [x, b.weight(f"{tag}.ln_w", weight), b.weight(f"{tag}.ln_b", bias)],
-                     axis=-1, epsilon=s.norm_eps)
+def _softcap(b: _Builder, x: str, cap: float) -> str:
+    """cap * tanh(x / cap), on an fp32 tensor."""
+    c = b.const(b.name("softcap"), np.array(cap, np.float32))
+    return b.one("Mul", [b.one("Tanh", [b.one("Div", [x, c])]), c])
+
+
+def _maybe_norm(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], x: str, key: str) -> str:
+    return _norm(b, s, w, x, key) if key in w else x
+
+
+def _norm(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], x: str, key: str, out: str | None = None) -> str:
+    """RMSNorm or LayerNorm over the last axis with weight ``w[key]`` (and ``w[key + '_bias']``).
+
+    A weight with more than one axis ([heads, head_dim], StableLM's per-head q/k norms) scales
+    after a unit-scale normalisation, as ONNX's LayerNormalization takes a last-axis scale only.
+    """
+    weight, bias = w[key], w.get(f"{key}_bias")
+    if s.norm == "layer":
+        width = weight.shape[-1]
+        per_head = weight.ndim > 1
+        scale = b.weight(f"{key}.ln_w", np.ones(width) if per_head else weight)
+        if bias is None:
+            bias = np.zeros(width)
+        y = b.one("LayerNormalization", [x, scale, b.weight(f"{key}.ln_b", bias)], axis=-1, epsilon=s.norm_eps,
+                  out=None if per_head else out)
+        return b.one("Mul", [y, b.weight(f"{key}.ln_heads", weight)], out=out) if per_head else y
     # RMSNorm, written so ORT's optimizer fuses it into SimplifiedLayerNormalization.
     # Computed in fp32 even for fp16 graphs: the mean of squares overflows fp16.
     xf = b.one("Cast", [x], to=TensorProto.FLOAT) if b.dtype != np.float32 else x
@@ -313,7 +507,9 @@ def _norm(b: _Builder, s: DecoderSpec, x: str, weight: np.ndarray, bias: np.ndar
     normed = b.one("Div", [xf, b.one("Sqrt", [b.one("Add", [var, eps])])])
     if b.dtype != np.float32:
         normed = b.one("Cast", [normed], to=_ONNX_DTYPE[b.dtype])
-    return b.one("Mul", [normed, b.weight(f"{tag}.norm_w", weight)])
+    if bias is not None:
+        raise ValueError(f"{key}: RMSNorm takes no bias")
+    return b.one("Mul", [normed, b.weight(f"{key}.norm_w", weight)], out=out)
 
 
 def _linear(b: _Builder, x: str, w: dict[str, np.ndarray], key: str) -> str:
@@ -323,69 +519,18 @@ def _linear(b: _Builder, x: str, w: dict[str, np.ndarray], key: str) -> str:
     return y
 
 
-def _rotate(b: _Builder, s: DecoderSpec, t: str, cos: str, sin: str, out: str | None = None) -> str:
-    """HF rotary: t * cos + rotate_half(t) * sin, with rotate_half(t) = [-t2, t1]."""
-    half = s.head_dim // 2
+def _rotate(b: _Builder, t: str, cos: str, sin: str, rotary_dim: int, head_dim: int, out: str | None = None) -> str:
+    """HF rotary on [n, heads, head_dim]: the first rotary_dim channels r become r cos + rotate_half(r) sin
+    (rotate_half(r) = [-r2, r1]); the rest pass through (partial rotary)."""
+    half = rotary_dim // 2
+    rest = None
+    if rotary_dim < head_dim:
+        t, rest = b.node("Split", [t, b.ints(b.name("rot_split"), [rotary_dim, head_dim - rotary_dim])], n_out=2,
+                         axis=-1)
     t1, t2 = b.node("Split", [t, b.ints(b.name("split"), [half, half])], n_out=2, axis=-1)
     rotated = b.one("Concat", [b.one("Neg", [t2]), t1], axis=-1)
-    return b.one("Add", [b.one("Mul", [t, cos]), b.one("Mul", [rotated, sin])], out=out)
-
-
-def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, mask: str,
-           cos: str | None, sin: str | None) -> str:
-    p = f"layers.{i}"
-    h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
-    group = h // kvh
-    kv_type = _ONNX_DTYPE[b.dtype]
-    normed = _norm(b, s, x, w[f"{p}.attn_norm"], w.get(f"{p}.attn_norm_bias"), f"{p}.attn")
-
-    qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
-    q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
-    q = b.one("Reshape", [q, b.ints(b.name("q_shape"), [-1, h, hd])])  # [n, H, hd]
-    # The new K/V are graph outputs by name (no Identity nodes: ORT keeps those as real copies).
-    rotary = cos is not None
-    k = b.one("Reshape", [k, b.ints(b.name("k_shape"), [-1, kvh, hd])],
-              out=None if rotary else f"new_key.{i}")  # [n, kvh, hd]
-    v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=f"new_value.{i}")
-    if rotary:
-        q = _rotate(b, s, q, cos, sin)
-        k = _rotate(b, s, k, cos, sin, out=f"new_key.{i}")
-
-    k_all = b.one("Concat", [f"past_key.{i}", k], axis=0)  # [T, kvh, hd]
-    v_all = b.one("Concat", [f"past_value.{i}", v], axis=0)
-    # GQA without repeating K/V: query head h uses kv head h // group, so view the
-    # queries as [kvh, group, n, hd] and broadcast K/V over the group axis.
-    q = b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, group, hd])])  # [n, kvh, g, hd]
-    q = b.one("Transpose", [q], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
-    q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])
-    k_t = b.one("Unsqueeze", [b.one("Transpose", [k_all], perm=[1, 2, 0]), b.ints(b.name("ax"), [1])])
-    scores = b.one("MatMul", [q, k_t])  # [kvh, g, n, T]
-    if b.dtype != np.float32:
-        # Softmax in fp32: fp16 exp() of large score gaps loses the tail mass.
-        scores = b.one("Cast", [scores], to=TensorProto.FLOAT)
-        probs = b.one("Softmax", [b.one("Add", [scores, mask])], axis=-1)
-        probs = b.one("Cast", [probs], to=kv_type)
-    else:
-        probs = b.one("Softmax", [b.one("Add", [scores, mask])], axis=-1)  # [kvh, g, n, T]
-    v_t = b.one("Unsqueeze", [b.one("Transpose", [v_all], perm=[1, 0, 2]), b.ints(b.name("ax"), [1])])
-    attn = b.one("MatMul", [probs, v_t])  # [kvh, g, n, hd]
-    attn = b.one("Transpose", [attn], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
-    attn = b.one("Reshape", [attn, b.ints(b.name("a_flat"), [0, h * hd])])  # [n, H*hd]
-    x = b.one("Add", [x, _linear(b, attn, w, f"{p}.o")])
-
-    normed = _norm(b, s, x, w[f"{p}.mlp_norm"], w.get(f"{p}.mlp_norm_bias"), f"{p}.mlp")
-    if s.architecture == "gpt2":
-        hidden = _activate(b, s.activation, _linear(b, normed, w, f"{p}.fc"))
-    else:
-        hidden = _gated_mlp(b, s, w, p, normed)
-    return b.one("Add", [x, _linear(b, hidden, w, f"{p}.down")])
-
-
-def _gated_mlp(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], p: str, normed: str) -> str:
-    """act(gate) * up, from one fused gate|up GEMM: [n, intermediate]."""
-    gate, up = b.node("Split", [_linear(b, normed, w, f"{p}.gate_up"),
-                                b.ints(b.name("gu_split"), [s.intermediate_size] * 2)], n_out=2, axis=-1)
-    return b.one("Mul", [_activate(b, s.activation, gate), up])
+    y = b.one("Add", [b.one("Mul", [t, cos]), b.one("Mul", [rotated, sin])], out=None if rest else out)
+    return b.one("Concat", [y, rest], axis=-1, out=out) if rest else y
 
 
 def _activate(b: _Builder, name: str, x: str) -> str:

@@ -144,9 +144,9 @@ def test_implemented_llama_variants_equal_transformers(config, tiny_model, expor
 
 @pytest.mark.parametrize("config, message", [
     ({"hidden_act": "tanh"}, r"hidden_act='tanh' is not supported; implemented: silu"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 16}},
-     r"rope type 'longrope' is not supported"),
+    # Gemma 4's proportional rope (longrope is implemented: tests/test_families.py).
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     r"rope type 'proportional' is not supported"),
 ], ids=["activation", "rope-type"])
 def test_unimplemented_features_are_refused_by_name_before_any_graph(config, message, tiny_model, tmp_path):
     from specedge.errors import UnsupportedModelError
