@@ -412,8 +412,8 @@ def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str
     qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
     q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
     if s.qk_norm == "full":  # OLMo 2: over the whole projection, before the heads are split
-        q = _norm(b, s, w, q, f"{p}.q_norm")
-        k = _norm(b, s, w, k, f"{p}.k_norm")
+        q = _maybe_norm(b, s, w, q, f"{p}.q_norm")
+        k = _maybe_norm(b, s, w, k, f"{p}.k_norm")
     attn = _maybe_norm(b, s, w, _linear(b, attend(w, i, q, k, v), w, f"{p}.o"), f"{p}.attn_post_norm")
     if s.parallel_residual:
         mlp = _mlp(b, s, w, p, _maybe_norm(b, s, w, x, f"{p}.mlp_norm"))

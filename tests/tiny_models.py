@@ -89,16 +89,37 @@ def _config(arch: str, vocab_size: int, eos_id: int, overrides: dict | None = No
     elif arch == "gpt2":
         cls, fields = GPT2Config, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=N_POSITIONS,
                                        activation_function="gelu_new", **common)
+    elif arch in FAMILY_FIELDS:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(arch, **{**llama_like, **FAMILY_FIELDS[arch], **(overrides or {})})
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     return cls(**{**fields, **(overrides or {})})
 
 
-def _model_class(arch: str) -> Any:
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+# The other families (tests/test_families.py), by model_type: llama_like's shape plus what each
+# family names differently or needs to show its features.
+FAMILY_FIELDS: dict[str, dict] = {
+    "qwen3": dict(head_dim=HIDDEN // HEADS, tie_word_embeddings=False),
+    "gemma2": dict(head_dim=HIDDEN // HEADS, query_pre_attn_scalar=24, sliding_window=8),
+    "gemma3_text": dict(head_dim=HIDDEN // HEADS, query_pre_attn_scalar=24, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(tie_word_embeddings=False, pad_token_id=None),
+    "smollm3": dict(tie_word_embeddings=False, pad_token_id=None),
+    "granite": dict(tie_word_embeddings=False),
+    "olmo2": dict(tie_word_embeddings=False),
+    "stablelm": dict(tie_word_embeddings=False),
+    "gpt_neox": dict(tie_word_embeddings=False),
+    "starcoder2": dict(tie_word_embeddings=True),
+}
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gpt2": GPT2LMHeadModel,
-            "mistral": MistralForCausalLM}[arch]
+
+def _model_class(config: Any) -> Any:
+    """The causal-LM class transformers pairs with this config class (LlamaForCausalLM, GPT2LMHeadModel, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def build_model(out: Path, arch: str, seed: int, *, vocab_size: int = 300, tokenizer_size: int | None = None,
@@ -120,8 +141,9 @@ def build_model(out: Path, arch: str, seed: int, *, vocab_size: int = 300, token
         shutil.rmtree(out)
     out.mkdir(parents=True)
     torch.manual_seed(seed)
-    cls = _model_class(arch)
-    model = cls(_config(arch, vocab_size, eos_id, config)).eval()
+    model_config = _config(arch, vocab_size, eos_id, config)
+    cls = _model_class(model_config)
+    model = cls(model_config).eval()
     gen = torch.Generator().manual_seed(seed + 10_000)
     with torch.no_grad():
         if perturb is not None:
