@@ -342,8 +342,8 @@ class _StandardAttention:
 
 
 # ORT's GroupQueryAttention rotates inside the op only when its cos/sin cache width
-# (rotary_dim / 2) is a multiple of 8 (measured on ORT 1.22-1.23: "cos_cache dimension 1 must be
-# <= head_size / 2 and a multiple of 8"); narrower or odd rotary dims rotate before the op.
+# (rotary_dim / 2) is a multiple of 8 (ORT 1.32 refuses others at run time: "cos_cache dimension 1
+# must be <= head_size / 2 and a multiple of 8"); other rotary dims rotate before the op.
 _GQA_ROTARY_MULTIPLE = 8
 
 

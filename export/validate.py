@@ -112,7 +112,7 @@ class _first_layers:
         if self.n is not None:
             import torch
 
-            body = self.model.model if hasattr(self.model, "model") else self.model.transformer
+            body = self.model.base_model  # model.model, gpt2's transformer, gpt_neox's gpt_neox
             name = "layers" if hasattr(body, "layers") else "h"
             self.saved = (body, name, getattr(body, name), self.model.config.num_hidden_layers)
             setattr(body, name, torch.nn.ModuleList(list(getattr(body, name))[: self.n]))

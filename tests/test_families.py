@@ -234,3 +234,25 @@ def test_partial_rotary_takes_the_fused_path_only_when_ort_allows_it(tiny_model,
     fused, negs = rotary_nodes("phi4-mini-partial-longrope")
     assert fused == [False, False] and negs == 4  # q and k in each of 2 layers
     assert np.all(np.asarray(rotary_nodes("smollm3-nope")[0]) == np.array([True, False]))
+
+
+# --------------------------------------------------------------------------- GGUF input
+
+
+def test_a_gguf_file_of_a_new_family_exports_and_matches_transformers(tiny_model, tmp_path, monkeypatch,
+                                                                     load_generator):
+    """transformers' GGUF loader dequantizes to an HF folder; the family builder takes it from there.
+
+    transformers' qwen3 GGUF mapping reads no head_dim (Qwen3Config's default, 128, applies), so this
+    checkpoint has head_dim 128.
+    """
+    from specedge.export.bundle import ExportConfig, export_bundle
+    from tiny_models import write_gguf
+
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))  # the dequantized folder lands here
+    folder = tiny_model("qwen3", seed=SEED, config={"head_dim": 128})
+    source = write_gguf(folder, tmp_path / "tiny-qwen3.gguf")
+    export_bundle(ExportConfig(target=str(source), out=tmp_path / "b", quiet=True, max_context=CONTEXT))
+    expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
+    got = load_generator(tmp_path / "b").generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False)
+    assert got.token_ids == expected

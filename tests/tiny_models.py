@@ -195,3 +195,50 @@ def edit_manifest(bundle: Path, edit) -> dict:
 def copy_bundle(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def write_gguf(folder: Path, out: Path) -> Path:
+    """Write the tiny model in ``folder`` as an F32 GGUF file the way llama.cpp's converter names it.
+
+    Tensor names come from the ``gguf`` package's own HF -> GGUF name map; the tokenizer is stored
+    as a byte-level BPE vocabulary without merges (tests pass token ids). Only families whose
+    GGUF tensors are the HF tensors renamed are written (qwen3): llama's q/k permutation and
+    Gemma's stored (1 + w) norms would need the converter's rewrites too.
+    """
+    import gguf
+
+    model = load_hf(folder)
+    cfg = model.config
+    if cfg.model_type != "qwen3":
+        raise ValueError(f"write_gguf writes qwen3 only, not {cfg.model_type!r}")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out), "qwen3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    # transformers builds a Qwen2Tokenizer, which appends "<|endoftext|>" unless the vocabulary has it:
+    # the last word takes that name, so the tokenizer keeps the model's vocab size.
+    tokens = list(vocab(cfg.vocab_size))[:-1] + ["<|endoftext|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i < len(SPECIALS) else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
