@@ -256,3 +256,16 @@ def test_a_gguf_file_of_a_new_family_exports_and_matches_transformers(tiny_model
     expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
     got = load_generator(tmp_path / "b").generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False)
     assert got.token_ids == expected
+
+
+@pytest.mark.parametrize("case", ["gpt_neox-parallel", "gemma3_text"])
+def test_early_exit_self_drafts_validate_for_other_layouts(case, tiny_model, export, load_generator):
+    """The early-exit draft is validated against the first layers of the PyTorch model, whatever its body."""
+    arch, config = CASES[case]
+    folder = tiny_model(arch, seed=SEED, config=config)
+    bundle = export(folder, draft="self-int4", draft_layers=1, max_context=CONTEXT)
+    gen = load_generator(bundle)
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False).token_ids
+    out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, drafter="model", draft_tokens=4, adaptive=False)
+    assert out.token_ids == plain
+    assert out.stats.accepted < out.stats.drafted, "a one-layer draft must be corrected at least once"
