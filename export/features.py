@@ -22,8 +22,13 @@ from typing import Any
 
 from ..errors import InvalidParameterError, UnsupportedModelError
 from .families import FAMILIES, REFUSED, SUPPORTED
-from .families.base import (ACTIVATIONS, LAYER_TYPES, LIMITED_ROPE_TYPES, STATIC_ROPE_TYPES, Field,  # noqa: F401
+from .families.base import (ACTIVATIONS, LAYER_TYPES, LIMITED_ROPE_TYPES, STATIC_ROPE_TYPES, Field,
                             ModelFeatures, rope_parameters)
+
+# Defined with the family builders; importable from here, the module the exporter and the tests read.
+__all__ = ["ACTIVATIONS", "LAYER_TYPES", "LIMITED_ROPE_TYPES", "STATIC_ROPE_TYPES", "FIELDS", "Field", "ModelFeatures",
+           "SUPPORTED", "ContextBeyondTrainingWarning", "UnknownConfigFieldWarning", "check_context", "fields_table",
+           "read_features", "rope_parameters", "validation_edges"]
 
 # Every supported model_type's field table (export/families/<family>.py declares it).
 FIELDS: dict[str, dict[str, Field]] = {model_type: dict(family.fields) for model_type, family in FAMILIES.items()}

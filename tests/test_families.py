@@ -55,8 +55,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "phi3-window": ("phi3", {"sliding_window": WINDOW}),
     # Phi-4-mini's shape: partial rotary 0.75 (rotary_dim 12: rotated before GQA) with longrope.
     # Phi3Config copies its top-level original_max_position_embeddings into the rope parameters.
-    "phi4-mini-partial-longrope": ("phi3", {"rope_parameters": {**_longrope(12, CONTEXT), "partial_rotary_factor": 0.75},
-                                            "max_position_embeddings": 256, "original_max_position_embeddings": CONTEXT}),
+    "phi4-mini-partial-longrope": ("phi3", {
+        "rope_parameters": {**_longrope(12, CONTEXT), "partial_rotary_factor": 0.75},
+        "max_position_embeddings": 256, "original_max_position_embeddings": CONTEXT}),
     # head_dim 32, rotary_dim 16: partial rotary inside GroupQueryAttention (cos/sin cache width 8).
     "phi3-partial-fused": ("phi3", {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),

@@ -14,13 +14,14 @@ optional ``_bias``), ``attn_norm``, ``mlp_norm``, ``attn_post_norm``, ``mlp_post
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from ...errors import UnsupportedModelError
-from ..graph import DecoderSpec, RopeTable
+from ..graph import DecoderSpec
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def refuse_if(condition: Any, message: str) -> None:
         raise UnsupportedModelError(message)
 
 
-class Family:
+class Family(ABC):
     """One architecture family: what its config fields mean and where its weights live.
 
     Subclasses set the class attributes and override the few methods whose behaviour differs.
@@ -174,11 +175,13 @@ class Family:
     fields: ClassVar[Mapping[str, Field]]
     variants: ClassVar[str] = ""  # what the family covers, for the README table
 
+    @abstractmethod
     def features(self, config: Any) -> ModelFeatures:
-        raise NotImplementedError
+        """Read the config (already checked against ``fields`` for unknown names); refuse what is not built."""
 
+    @abstractmethod
     def extract(self, model: Any, features: ModelFeatures) -> tuple[DecoderSpec, dict[str, np.ndarray]]:
-        raise NotImplementedError
+        """The spec and canonical float32 weights (module docstring) of a transformers model of this family."""
 
 
 class Decoder(Family):

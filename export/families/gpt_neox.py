@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .base import DECODER_FIELDS, Decoder, checked, ignored, impl, linear, refuse_if, to_numpy
+from .base import DECODER_FIELDS, Decoder, ignored, impl, linear, refuse_if, to_numpy
 
 
 class GptNeoX(Decoder):
@@ -33,7 +33,8 @@ class GptNeoX(Decoder):
         return model.gpt_neox
 
     def global_weights(self, sd: Mapping, cfg: Any) -> dict[str, np.ndarray]:
-        w = {"embed": to_numpy(sd["gpt_neox.embed_in.weight"]), "norm": to_numpy(sd["gpt_neox.final_layer_norm.weight"]),
+        w = {"embed": to_numpy(sd["gpt_neox.embed_in.weight"]),
+             "norm": to_numpy(sd["gpt_neox.final_layer_norm.weight"]),
              "norm_bias": to_numpy(sd["gpt_neox.final_layer_norm.bias"])}
         if not cfg.tie_word_embeddings:
             w["lm_head"] = to_numpy(sd["embed_out.weight" if "embed_out.weight" in sd else "lm_head.weight"]).T
