@@ -26,7 +26,6 @@ What this module tries:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from sigint import sigint_default_in_children
 from specedge.engines.ort import OrtEngine
 from specedge.errors import ExportError
 from specedge.export.bundle import ExportConfig, export_bundle
@@ -266,22 +266,6 @@ def _read_within(fd: int, timeout_s: float) -> bytes:
     return os.read(fd, 65536)
 
 
-@contextlib.contextmanager
-def _sigint_default_in_children():
-    """Start children with SIGINT at its default action.
-
-    A background job of a non-interactive shell (``pytest ... &``, ``nohup``, many CI runners)
-    starts with SIGINT ignored; an ignored signal stays ignored across fork and exec, and Python
-    then installs no KeyboardInterrupt handler, so the child would never see the Ctrl-C. A Python
-    handler in the parent is reset to the default action at exec instead.
-    """
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen, tmp_path):
     args = _cli() + ["generate", str(bundle), "--prompt", PROMPT, "--raw", "--stream", "--threads", "1",
                      "--max-new-tokens", "4000", "-k", "4", "--no-adaptive"]
@@ -289,7 +273,7 @@ def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen, tmp_path):
     if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux; elsewhere the default pipe still holds less than 4000 words
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     err_path = tmp_path / "stderr"
-    with _sigint_default_in_children(), err_path.open("wb") as err_file:
+    with sigint_default_in_children(), err_path.open("wb") as err_file:
         proc = subprocess.Popen(args, stdout=write_end, stderr=err_file)
     os.close(write_end)
     chunks = []
