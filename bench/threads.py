@@ -1,6 +1,6 @@
 """Which thread split wins for verify-while-draft on this machine?
 
-    python -m specedge.bench.threads BUNDLE [--prompts 3] [--max-new-tokens 64] [--repeats 3]
+    specedge bench threads BUNDLE [--prompts 3] [--max-new-tokens 64] [--repeats 3]
 
 Runs the same greedy prompts, interleaved, through: the baseline; sequential
 speculation with both sessions on all cores; pipelined speculation with the cores
@@ -12,26 +12,20 @@ baseline, and checks every output against the baseline's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
+from pathlib import Path
 
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(bundle: Path, *, prompts: int, max_new_tokens: int, repeats: int, draft_tokens: int) -> int:
+    """Run the comparison (defaults live in ``specedge bench threads``); print the table and a JSON
+    line; return 1 when a speculative output differs from the baseline's, else 0."""
     from ..engines.base import EngineOptions
     from ..runtime.generator import GenerationConfig, Generator
     from .suite import load_suite
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("bundle")
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--draft-tokens", type=int, default=4)
-    args = p.parse_args(argv)
     cores = os.cpu_count() or 2
     half = max(1, cores // 2)
     setups = {
@@ -46,21 +40,21 @@ def main(argv: list[str] | None = None) -> int:
         key = (t_threads, d_threads, spin)
         if key not in generators:
             options = EngineOptions(intra_op_threads=t_threads, allow_spinning=spin)
-            generators[key] = Generator.from_bundle(args.bundle, engine_options=options, draft_threads=d_threads,
+            generators[key] = Generator.from_bundle(bundle, engine_options=options, draft_threads=d_threads,
                                                     verify_checksums=False)
             generators[key].warmup(tune=False)
-    prompts = [w.prompt for w in load_suite().select(["code", "chat", "grounded"], per_category=1)
-               if isinstance(w.prompt, str)][: args.prompts]
+    texts = [w.prompt for w in load_suite().select(["code", "chat", "grounded"], per_category=1)
+             if isinstance(w.prompt, str)][:prompts]
     rates: dict[str, list[float]] = {name: [] for name in setups}
     ratios: dict[str, list[float]] = {name: [] for name in setups}
     failures = []
-    for _ in range(args.repeats):
-        for prompt in prompts:
+    for _ in range(repeats):
+        for prompt in texts:
             base_tokens, base_rate = None, None
             for name, (t_threads, d_threads, spin, mode, speculation) in setups.items():
                 gen = generators[(t_threads, d_threads, spin)]
-                config = GenerationConfig(max_new_tokens=args.max_new_tokens, speculation=speculation,
-                                          drafter="model", draft_tokens=args.draft_tokens, mode=mode)
+                config = GenerationConfig(max_new_tokens=max_new_tokens, speculation=speculation,
+                                          drafter="model", draft_tokens=draft_tokens, mode=mode)
                 result = gen.generate(prompt, config=config)
                 rate = result.stats.tokens_per_s
                 if not speculation:
@@ -75,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {row['tok_s_median']:7.2f} tok/s   {row['speedup_median']:.2f}x")
     print(json.dumps({"results": out, "output_mismatches": failures}))
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

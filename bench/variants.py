@@ -1,6 +1,6 @@
 """Sweep verify-graph and draft variants: step ms, v(k), c, acceptance, predicted speedup.
 
-    python -m specedge.bench.variants --target qwen2.5-coder-1.5b-instruct \\
+    specedge bench variants --target qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --work /tmp/variants --threads 2
 
 For each target variant (bits, block size, accuracy level, attention) it builds the
@@ -14,7 +14,6 @@ otherwise idle machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -134,27 +133,18 @@ def teacher_forced_agreement(entry, graph: Path, prompts: list[list[int]], conti
     return hits / total if total else 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(*, target: str, draft: str, work: Path, threads: int, context: int, max_context: int, max_new_tokens: int,
+        target_variants: tuple[str, ...], draft_variants: tuple[str, ...], json_out: Path | None) -> int:
+    """Run the sweep (defaults live in ``specedge bench variants``); print the table, write
+    ``json_out`` if given. ``work`` is deleted first and used as scratch space."""
     from ..export.bundle import draft_head_tokens
     from ..export.loader import load_source
     from .suite import load_suite
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--max-context", type=int, default=1024)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--targets", default=",".join(v.name for v in TARGETS))
-    p.add_argument("--drafts", default=",".join(v.name for v in DRAFTS))
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    shutil.rmtree(args.work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     targets, drafts = {}, {}
 
-    loaded = load_source(args.target, quiet=True)
+    loaded = load_source(target, quiet=True)
     tok = loaded.tokenizer
     texts = [w.prompt for w in load_suite().select(["code", "chat", "grounded"], per_category=1)
              if isinstance(w.prompt, str)]
@@ -164,25 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = [tok.encode(t)[:256] for t in texts]
     continuations = None
-    for variant in [v for v in TARGETS if v.name in args.targets.split(",")]:
-        folder = args.work / f"t-{variant.name}"
-        entry, graph = build(loaded, variant, folder, args.max_context)
-        t = step_times(entry, graph, args.threads, args.context)
+    for variant in [v for v in TARGETS if v.name in target_variants]:
+        folder = work / f"t-{variant.name}"
+        entry, graph = build(loaded, variant, folder, max_context)
+        t = step_times(entry, graph, threads, context)
         targets[variant.name] = {"step_ms": t[1] * 1e3, "v": {n: t[n] / t[1] for n in t}}
         if continuations is None:  # the first target variant is the reference for acceptance
-            continuations = greedy_tokens(entry, graph, prompts, args.max_new_tokens, args.threads)
+            continuations = greedy_tokens(entry, graph, prompts, max_new_tokens, threads)
         print(f"target {variant.name}: step {t[1] * 1e3:.1f} ms, v(5) {t[5] / t[1]:.2f}, v(9) {t[9] / t[1]:.2f}",
               file=sys.stderr, flush=True)
         shutil.rmtree(folder, ignore_errors=True)
     vocab = loaded.model.config.vocab_size
     del loaded
 
-    draft_loaded = load_source(args.draft, quiet=True)
-    for variant in [v for v in DRAFTS if v.name in args.drafts.split(",")]:
+    draft_loaded = load_source(draft, quiet=True)
+    for variant in [v for v in DRAFTS if v.name in draft_variants]:
         head_ids = draft_head_tokens(tok, vocab, variant.head, draft_loaded.eos_token_ids) if variant.head else None
-        folder = args.work / f"d-{variant.name}"
-        entry, graph = build(draft_loaded, variant, folder, args.max_context, head_ids)
-        t = step_times(entry, graph, args.threads, args.context, max_n=1)
+        folder = work / f"d-{variant.name}"
+        entry, graph = build(draft_loaded, variant, folder, max_context, head_ids)
+        t = step_times(entry, graph, threads, context, max_n=1)
         a = teacher_forced_agreement(entry, graph, prompts, continuations, head_ids)
         drafts[variant.name] = {"step_ms": t[1] * 1e3, "a": a}
         print(f"draft {variant.name}: step {t[1] * 1e3:.1f} ms, teacher-forced a {a:.3f}", file=sys.stderr, flush=True)
@@ -200,10 +190,6 @@ def main(argv: list[str] | None = None) -> int:
                           "predicted": speed})
             print(f"| {tname} | {dname} | {trow['step_ms']:.1f} | {trow['v'][5]:.2f} | {trow['v'][9]:.2f} | "
                   f"{c:.2f} | {drow['a']:.2f} | {best} | {speed:.2f}x |")
-    if args.json:
-        args.json.write_text(json.dumps({"targets": targets, "drafts": drafts, "table": table}, indent=2))
+    if json_out is not None:
+        json_out.write_text(json.dumps({"targets": targets, "drafts": drafts, "table": table}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

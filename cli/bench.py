@@ -1,4 +1,5 @@
-"""``specedge bench``: baseline vs speculation vs peer runtimes on the shipped prompt suite.
+"""``specedge bench``: baseline vs speculation vs peer runtimes on the shipped prompt suite, and
+the tuning tools ``specedge bench variants`` and ``specedge bench threads``.
 
 Only parses options and calls specedge.bench; the library does the work.
 """
@@ -19,7 +20,31 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else None
 
 
-@click.command()
+class _BenchGroup(click.Group):
+    """``specedge bench BUNDLE ...`` is ``specedge bench run BUNDLE ...``: a first argument that
+    names no subcommand (a bundle path, or an option such as --quick) goes to ``run``. A bundle
+    folder called ``variants`` or ``threads`` is written ``./variants``."""
+
+    default_command = "run"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_BenchGroup)
+def bench() -> None:
+    """Benchmark a bundle, or sweep graph variants and thread splits.
+
+    \b
+    specedge bench BUNDLE [OPTIONS]        the benchmark (same as `specedge bench run`)
+    specedge bench variants --target ...   which quantization variant to ship
+    specedge bench threads BUNDLE          which thread split wins for pipelined speculation
+    """
+
+
+@bench.command("run")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--workloads", default=None, help="Categories, comma separated: code,chat,grounded,voice,hostile "
               "(default: all).")
@@ -57,7 +82,7 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.option("--suite", type=click.Path(path_type=Path), default=None, help="Another prompt suite JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
-def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs, k_sweep, threads, peers,
+def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs, k_sweep, threads, peers,
           peer_repeats, hf_target, hf_draft, gguf, genai_precision, lookup_tokens, json_out, plot_out, out, quick,
           suite, no_progress, no_verify_checksums) -> None:
     """Benchmark BUNDLE: plain decoding vs every drafter, k sweep and adaptive k, and peer runtimes.
@@ -111,3 +136,75 @@ def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, config
     elif summary["near_tie_divergences"]:
         click.echo(f"note: {summary['near_tie_divergences']} near-tie divergence(s) on a quantized target", err=True)
     sys.exit(summary["exit_code"])
+
+
+@bench.command()
+@click.option("--target", required=True, help="The target model: a catalog name, an HF folder or a GGUF file "
+              "(what `specedge export --target` takes).")
+@click.option("--draft", required=True, help="The draft model, in the same forms as --target.")
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Scratch folder for the variant graphs. DELETED first, then each variant's subfolder is "
+              "deleted once timed.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Intra-op threads for every timed session.")
+@click.option("--context", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Positions already in the cache when the steps are timed.")
+@click.option("--max-context", type=click.IntRange(min=16), default=1024, show_default=True,
+              help="Max context of the graphs built for the sweep.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True,
+              help="Greedy tokens per prompt from the first target variant: the sequences the drafts must predict.")
+@click.option("--targets", "target_variants", default=None,
+              help="Target variants to time, comma separated (default: all of them, listed in specedge.bench.variants).")
+@click.option("--drafts", "draft_variants", default=None,
+              help="Draft variants to time, comma separated (default: all of them, listed in specedge.bench.variants).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the measurements and the table as JSON to this path.")
+def variants(target, draft, work, threads, context, max_context, max_new_tokens, target_variants, draft_variants,
+             json_out) -> None:
+    """Sweep verify-graph and draft variants: step ms, v(k), c, acceptance, predicted speedup.
+
+    For each target variant (bits, block size, accuracy level) it builds the graph, times
+    1..9-token steps; for each draft variant (precision, truncated head) the 1-token step and
+    the greedy acceptance on prompts of the bench suite. Prints one table with Leviathan's
+    predicted speedup at the best k. Needs specedge[export]; run on an otherwise idle machine.
+    """
+    from ..bench import variants as sweep
+
+    chosen = {}
+    for option, given, known in (("--targets", target_variants, sweep.TARGETS),
+                                 ("--drafts", draft_variants, sweep.DRAFTS)):
+        names = tuple(v.name for v in known)
+        picked = _csv(given) or names
+        unknown = [n for n in picked if n not in names]
+        if unknown:
+            from ..errors import InvalidParameterError
+
+            raise InvalidParameterError(f"{option}: unknown variant(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        chosen[option] = picked
+    sys.exit(sweep.run(target=target, draft=draft, work=work, threads=threads, context=context,
+                       max_context=max_context, max_new_tokens=max_new_tokens, target_variants=chosen["--targets"],
+                       draft_variants=chosen["--drafts"], json_out=json_out))
+
+
+@bench.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompts", type=click.IntRange(min=1, max=3), default=3, show_default=True,
+              help="Prompts per round: the first of the code, chat and grounded categories.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens per generation.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds over the prompts; every setup runs once per prompt per round, interleaved.")
+@click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Fixed k for every speculative setup.")
+def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
+    """Which thread split wins for pipelined speculation on this machine?
+
+    Runs the same greedy prompts, interleaved, through the baseline, sequential speculation
+    on all cores, pipelined speculation with the cores split between draft and target, and
+    pipelined with both on all cores and spinning off. Prints tok/s medians and the median
+    ratio to the baseline; exits 1 if any output differs from the baseline's.
+    """
+    from ..bench import threads as split
+
+    sys.exit(split.run(bundle, prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
+                       draft_tokens=draft_tokens))

@@ -43,17 +43,46 @@ def test_version():
     assert result.exit_code == 0 and __version__ in result.output
 
 
-@pytest.mark.parametrize("name", sorted(main.commands))
-def test_every_command_help_mentions_all_its_options(name):
-    command = main.commands[name]
-    result = _invoke(name, "--help")
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], click.Command]:
+    """Every command under ``group``, nested groups' subcommands included, keyed by its words."""
+    found = {}
+    for name, command in group.commands.items():
+        found[prefix + (name,)] = command
+        if isinstance(command, click.Group):
+            found.update(_commands(command, prefix + (name,)))
+    return found
+
+
+@pytest.mark.parametrize("words", sorted(_commands(main)), ids=" ".join)
+def test_every_command_help_mentions_all_its_options(words):
+    command = _commands(main)[words]
+    result = _invoke(*words, "--help")
     assert result.exit_code == 0, result.output
-    assert f"Usage: main {name}" in result.output or f"Usage: specedge {name}" in result.output \
-        or name in result.output.splitlines()[0]
+    assert f"Usage: main {' '.join(words)}" in result.output or f"Usage: specedge {' '.join(words)}" in result.output
     for param in command.params:
         if isinstance(param, click.Option) and not param.hidden:
+            if words[0] == "bench":
+                assert param.help, f"`{' '.join(words)}` option {param.opts[0]} has no help text"
             for opt in param.opts + param.secondary_opts:
-                assert opt in result.output, f"`{name} --help` does not mention {opt}"
+                assert opt in result.output, f"`{' '.join(words)} --help` does not mention {opt}"
+
+
+def test_bench_is_a_group_whose_bare_form_runs_the_benchmark():
+    assert {"run", "variants", "threads"} <= set(main.commands["bench"].commands)
+    bare = _invoke("bench", "--help").output
+    assert "specedge bench BUNDLE" in bare and "variants" in bare and "threads" in bare
+    # A bundle path (or an option) first is the benchmark: its own usage error, not "no such command".
+    result = CliRunner().invoke(main, ["bench", "--quick"])
+    assert result.exit_code == 2 and "bench run" in result.output and "Missing argument 'BUNDLE'" in result.output
+    assert "No such command" not in result.output
+
+
+def test_bench_variants_refuses_unknown_variant_names(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "variants", "--target", "t", "--draft", "d", "--work",
+                                       str(tmp_path / "w"), "--targets", "int4-b32-acc4,int3"])
+    assert result.exit_code == 2
+    assert "error: --targets: unknown variant(s) int3; known: int4-b32-acc4," in result.output
+    assert not (tmp_path / "w").exists()
 
 
 def test_generate_help_names_the_speculation_options():

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from sigint import sigint_default_in_children
 from specedge.cli.main import main
 
 
@@ -67,8 +68,9 @@ def test_export_quiet_prints_nothing(tiny_model, tmp_path):
 
 def test_ctrl_c_during_export_exits_130_and_leaves_nothing(tiny_model, tmp_path):
     out = tmp_path / "bundle"
-    proc = _specedge("export", "--target", str(tiny_model("llama")), "--draft", "self-int4", "--out", str(out),
-                     "--max-context", "64", cwd=tmp_path)
+    with sigint_default_in_children():  # else a suite started in the background makes the child ignore Ctrl-C
+        proc = _specedge("export", "--target", str(tiny_model("llama")), "--draft", "self-int4", "--out", str(out),
+                         "--max-context", "64", cwd=tmp_path)
     # Wait for the export to report its first stage, then interrupt it as a terminal would.
     deadline = time.monotonic() + 120
     seen = b""

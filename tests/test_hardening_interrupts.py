@@ -18,11 +18,15 @@ What this module tries:
   freshly loaded Generator's;
 - the CLI: ``specedge generate --stream`` with many tokens gets SIGINT once its first
   output has arrived; it prints what was generated so far (a prefix of the full greedy
-  output), "[interrupted]" on stderr, and exits 0 without a traceback.
+  output), "[interrupted]" on stderr, and exits 0 without a traceback. The child is started
+  with SIGINT at its default action even when the suite itself runs with SIGINT ignored
+  (a background job of a non-interactive shell, ``nohup``), and it writes into a one-page
+  pipe that the test drains only after signalling, so it cannot finish before the signal.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import select
@@ -30,11 +34,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from sigint import sigint_default_in_children
 from specedge.engines.ort import OrtEngine
 from specedge.errors import ExportError
 from specedge.export.bundle import ExportConfig, export_bundle
@@ -222,16 +226,20 @@ def test_cancel_stops_at_the_next_block(gen, reference):
 
 def test_cancel_from_another_thread(gen, reference):
     stream = gen.stream(PROMPT, chat=False, max_new_tokens=4000, **SPEC)
-    seen = threading.Event()
+    seen, cancelled = threading.Event(), threading.Event()
 
     def consume():
         for _ in stream:
             seen.set()
+            # Hold the consumer at its first delta until the other thread has cancelled, so the
+            # run cannot reach EOS or max_new_tokens first, however fast this CPU decodes.
+            cancelled.wait(60)
 
     worker = threading.Thread(target=consume)
     worker.start()
     assert seen.wait(60)
     stream.cancel()
+    cancelled.set()
     worker.join(60)
     assert not worker.is_alive()
     assert stream.result.finish_reason == "cancelled" and len(stream.result.token_ids) < 4000
@@ -246,23 +254,46 @@ def _cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "specedge.cli.main"]
 
 
-def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen):
+# The smallest pipe Linux allows (one page): the child blocks on stdout once it has written this
+# much (about 800 words), far less than the 4000 tokens asked for, until the test reads.
+PIPE_BYTES = 4096
+
+
+def _read_within(fd: int, timeout_s: float) -> bytes:
+    """The next bytes from a pipe (b"" at EOF); fails the test if nothing comes within timeout_s."""
+    ready, _, _ = select.select([fd], [], [], timeout_s)
+    assert ready, f"no output and no EOF within {timeout_s} s"
+    return os.read(fd, 65536)
+
+
+def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen, tmp_path):
     args = _cli() + ["generate", str(bundle), "--prompt", PROMPT, "--raw", "--stream", "--threads", "1",
                      "--max-new-tokens", "4000", "-k", "4", "--no-adaptive"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    read_end, write_end = os.pipe()
+    if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux; elsewhere the default pipe still holds less than 4000 words
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    err_path = tmp_path / "stderr"
+    with sigint_default_in_children(), err_path.open("wb") as err_file:
+        proc = subprocess.Popen(args, stdout=write_end, stderr=err_file)
+    os.close(write_end)
+    chunks = []
     try:
         # Signal only once the generation loop is running: the first streamed bytes have arrived.
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        # Nothing is read before the signal, so the child is still decoding or blocked on the
+        # full pipe, never finished.
+        ready, _, _ = select.select([read_end], [], [], 120)
         assert ready, "no output within 120 s"
-        first = os.read(proc.stdout.fileno(), 65536)
-        assert first
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        while chunk := _read_within(read_end, 120):
+            chunks.append(chunk)
+        proc.wait(timeout=120)
     finally:
+        os.close(read_end)
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    stdout, stderr = (first + out).decode(), err.decode()
+            proc.wait()
+    out, err = b"".join(chunks), err_path.read_bytes()
+    stdout, stderr = out.decode(), err.decode()
     assert proc.returncode == 0, stderr
     assert "[interrupted]" in stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
