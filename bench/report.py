@@ -36,7 +36,10 @@ PEER_DEFINITIONS = """\
 - **peers**: each gets our prompt token ids and is asked for as many tokens as our baseline produced; tok/s
   has our definition. **ours / peer** ratios use our runs (plain, and the workload's best configuration)
   interleaved with the peer's, per prompt, median over prompts. **same text**: share of prompts whose peer
-  tokens equal our baseline's.
+  tokens equal our baseline's. Each peer runs in its own process in its default configuration: the bench
+  sets no environment variable for it (no OpenMP wait policy); only the thread count is the bench's
+  (`--threads`, or every core), passed as the peer's own thread option. A peer that crashes is reported
+  with its signal and last stderr lines; the specedge results are written regardless.
 """
 
 
@@ -223,11 +226,24 @@ def render_markdown(doc: dict) -> str:
             if "skipped" in res:
                 out += [f"- **{peer}**: skipped: {res['skipped']}", ""]
                 continue
+            if "crashed" in res:
+                crash = res["crashed"]
+                how = crash["signal"] or f"exit status {crash['returncode']}"
+                out += [f"- **{peer}**: CRASHED ({how}) after {len(res.get('runs', []))} run(s); the specedge "
+                        "results above are complete. Last lines of its stderr:", "", "```",
+                        *crash["stderr_tail"], "```"]
             info = res.get("info", {})
-            out.append(f"**{peer}**: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "configs"))
+            if info:
+                out.append(f"**{peer}**: " + ", ".join(f"{k} {v}" for k, v in info.items()
+                                                       if k not in ("configs", "build")))
+            if info.get("build"):
+                build = info["build"] if isinstance(info["build"], str) else " | ".join(info["build"])
+                out.append(f"- build: `{build[:600]}`")
             for note in res.get("notes", []):
                 out.append(f"- {note}")
             out.append("")
+            if not res.get("configs"):
+                continue
             rows = []
             for cfg, cells in res["configs"].items():
                 for category, c in cells.items():
@@ -255,6 +271,14 @@ def results_stem(out: Path, doc: dict) -> Path:
         return out / f"{doc['date']}-{doc['bundle']['name']}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out.with_suffix("") if out.suffix in (".md", ".json") else out
+
+
+def partial_results_path(out: Path, bundle: Path) -> Path:
+    """Where a bench run writing to ``out`` appends its JSON-lines partial results."""
+    name = f"{bundle.resolve().name or 'bundle'}.partial.jsonl"
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        return out / name
+    return (out.with_suffix("") if out.suffix in (".md", ".json") else out).with_suffix(".partial.jsonl")
 
 
 def write_results(doc: dict, out: Path) -> tuple[Path, Path]:

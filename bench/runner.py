@@ -66,6 +66,9 @@ class BenchSettings:
     command: str = ""  # the exact command line, for the results file
     progress: bool = True
     verify_checksums: bool = True
+    # JSON lines appended as the bench goes (every run, every peer run and outcome), so a bench
+    # that is killed or whose peer takes the process down keeps what it measured. None = off.
+    partial_path: Path | None = None
 
 
 @dataclass
@@ -369,6 +372,25 @@ def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:
     return failures
 
 
+class PartialLog:
+    """Appends one JSON object per line to ``path`` and flushes it at once (no-op when path is None)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("", encoding="utf-8")
+
+    def __call__(self, event: dict) -> None:
+        if self.path is None:
+            return
+        import json
+
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event, default=str) + "\n")
+            f.flush()
+
+
 def _bundle_name(bundle: Path) -> str:
     return bundle.resolve().name or "bundle"
 
@@ -381,6 +403,10 @@ def run_bench(settings: BenchSettings) -> dict:
     suite = load_suite(settings.suite_path) if settings.suite_path else load_suite()
     selected = suite.select(list(settings.categories) if settings.categories else None, settings.per_category)
     log = Progress(0, enabled=settings.progress)
+    partial = PartialLog(settings.partial_path)
+    partial({"event": "start", "started_utc": started.isoformat(timespec="seconds"),
+             "command": settings.command or shlex.join(sys.argv), "bundle": str(settings.bundle),
+             "machine": machine_info()})
     load_start = machine_info()["load_average"]
     reset_peak_rss()
     t_load = time.perf_counter()
@@ -440,6 +466,7 @@ def run_bench(settings: BenchSettings) -> dict:
                 result = gen.generate(input_ids=ids, config=config.generation_config(settings.max_new_tokens,
                                                                                       used_chat))
                 runs.append(_record(result, w, config.name, r, peak_rss_mb()))
+                partial({"event": "run", **runs[-1].summary()})
                 bar.advance(f"{w.id} {config.name}")
     bar.close()
     rss_specedge = process_peak_rss_mb()
@@ -473,7 +500,9 @@ def run_bench(settings: BenchSettings) -> dict:
     if settings.peers:
         from .peers import run_peers
 
-        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), log)
+        partial({"event": "specedge_done", "best": best_configs(by_category)})
+        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), log,
+                          on_event=lambda e: partial({"event": "peer", **e}))
     hard = [f for f in failures if f["kind"] == "divergence"]
     machine = machine_info()
     machine["load_average_end"] = machine.pop("load_average")

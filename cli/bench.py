@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -67,7 +68,7 @@ def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, config
     fails the bench (exit 1), except near-tie divergences on a quantized target, which are
     reported as such.
     """
-    from ..bench.report import plot, render_markdown, to_json, write_results
+    from ..bench.report import partial_results_path, plot, render_markdown, to_json, write_results
     from ..bench.runner import BenchSettings, run_bench
     from ..errors import InvalidParameterError
 
@@ -92,10 +93,15 @@ def bench(bundle: Path, workloads, per_category, max_new_tokens, repeats, config
         if len(sys.argv) > 1 and sys.argv[1] == "bench" else shlex.join(sys.argv),
         peer_options={"hf_target": hf_target, "hf_draft": hf_draft, "gguf": gguf, "lookup_tokens": lookup_tokens,
                       "genai_precision": _csv(genai_precision) or ("int4",)})
+    if out is not None:
+        partial = partial_results_path(Path(out), bundle)
+        settings = replace(settings, partial_path=partial)
+        click.echo(f"partial results (kept if the bench dies): {partial}", err=True)
     doc = run_bench(settings)
     if out is not None:
         md, js = write_results(doc, out)
         click.echo(f"results: {md} and {js}", err=True)
+        partial.unlink(missing_ok=True)  # the full results supersede it
     if plot_out is not None:
         click.echo(f"plot: {plot(doc, plot_out)}", err=True)
     if json_out == "-":
