@@ -486,6 +486,23 @@ def test_a_peer_crash_keeps_our_results_and_the_partial_file_has_every_run(tiny,
     PartialLog(None)({"event": "ignored"})  # no path: nothing written, nothing raised
 
 
+def test_baseline_1row_is_plain_decoding_without_exact_steps_and_its_differences_are_not_failures():
+    config = parse_config_name("baseline-1row")
+    assert not config.speculative and config.exact is False
+    assert config.generation_config(8).exact is False and parse_config_name("baseline").generation_config(8).exact
+    base = RunRecord(**{**_REC, "config": "baseline", "tokens": [1, 2, 3]})
+    one_row = RunRecord(**{**_REC, "config": "baseline-1row", "tokens": [1, 2, 4], "near_ties": 1})
+    spec = RunRecord(**{**_REC, "config": "ngram-k4", "tokens": [1, 2, 4], "near_ties": 0})
+    kinds = {f["config"]: f["kind"] for f in check_outputs([base, one_row, spec], quantized=True)}
+    assert kinds == {"baseline-1row": "one-row steps (not exact)", "ngram-k4": "divergence"}
+
+
+_REC = dict(workload="w", category="code", round=0, token_times_s=[], tokens_per_s=1.0, new_tokens=3,
+            finish_reason="length", ttft_s=0.0, prefill_s=0.0, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+            total_s=1.0, steps=3, drafted=0, accepted=0, drafted_per_position=[], accepted_per_position=[],
+            k_chosen={}, near_ties=0, mode_s={}, rss_peak_mb=0.0)
+
+
 def test_draft_window_suffix_names_a_window():
     """``-w<N>`` sets the draft window (``-w0``: the whole history); without it, the runtime default."""
     from specedge.runtime.generator import DEFAULT_DRAFT_WINDOW

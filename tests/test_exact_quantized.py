@@ -133,3 +133,17 @@ def test_context_end_is_exact(int4_self):
                               draft_tokens=4, adaptive=False)
     assert spec.token_ids == plain.token_ids
     assert len(prompt) + len(plain.token_ids) == MAX_CONTEXT or plain.finish_reason == "stop"
+
+
+def test_the_bundle_records_that_exact_steps_hold_and_what_they_cost(int4_self):
+    record = int4_self.manifest.extra["exact_steps"]["target"]
+    assert record["bit_identical"] is True  # checked at export, on the exporting machine
+    assert record["two_row_step_cost"] > 0 and record["one_row_step_ms"] > 0
+
+
+def test_inexact_plain_decoding_is_still_deterministic(int4_self):
+    """exact=False (1-row steps) is plain decoding through the bare engine: repeatable, just not
+    guaranteed equal to speculation at near ties."""
+    runs = [int4_self.generate(input_ids=PROMPTS[3], max_new_tokens=NEW_TOKENS, speculation=False, exact=False,
+                               chat=False).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
