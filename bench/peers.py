@@ -8,6 +8,13 @@
 - ``llamacpp``: llama-cpp-python on the catalog's GGUF file, plain greedy and
   ``LlamaPromptLookupDecoding``.
 
+Every peer runs in its own worker process (bench/peer_worker.py), in its default
+configuration: the bench sets no environment variable for it (an earlier version forced
+``OMP_WAIT_POLICY=PASSIVE``, which cost llama.cpp 20-29% on a 2-core Sapphire Rapids VM);
+only the thread count is the bench's, passed as the peer's own option. A peer that
+crashes (llama.cpp's AMX segfault, see ``LLAMACPP_AMX_NOTE``) is reported with its signal
+and last stderr lines, and the bench's own results are still written.
+
 Every peer gets our prompt token ids (so tokenization cannot differ), is asked for as
 many tokens as our baseline produced for that prompt, and is timed with the same
 definition of tok/s (tokens after the first over the time after the first). A peer
@@ -353,7 +360,7 @@ def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise PeerSkipped("llama-cpp-python is not installed (pip install llama-cpp-python; it compiles "
-                          "llama.cpp, minutes)") from None
+                          f"llama.cpp, minutes). {LLAMACPP_AMX_NOTE}") from None
     opts = ctx.peer_options
     path = gguf_file(opts.get("gguf"), ctx.manifest.target.source)
     if path is None:
