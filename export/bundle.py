@@ -345,7 +345,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "batch_variance": variance, "exact_steps": exact, **({"context_warnings": warned} if warned else {}),
+            extra={"validation": reports, "batch_variance": variance, "exact_steps": exact,
+                   **({"context_warnings": warned} if warned else {}),
                    **({"unknown_config_fields": unknown} if unknown else {}),
                    "export_seconds": round(time.perf_counter() - started, 1)},
         )
