@@ -229,6 +229,7 @@ def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int
 
     bare = OrtEngine(entry, graph, EngineOptions())
     engine = BatchInvariantEngine(bare)
+    prefix = max(1, min(prefix, entry.max_context - verify - 1))  # small contexts (>= 16) still fit
     ids = np.random.default_rng(seed).integers(0, entry.vocab_size, size=prefix + verify).astype(np.int64)
     kv = engine.new_cache()
     engine.forward(ids[:prefix], kv)
