@@ -1,6 +1,8 @@
 """The configurations a bench compares, and how a ``--configs`` list names them.
 
-Names: ``baseline`` (plain decoding through the same engine), ``<drafter>-k<k>``
+Names: ``baseline`` (plain decoding through the same engine), ``baseline-1row`` (plain
+decoding with 1-row steps: not exact, see engines/invariant.py; comparing it with
+``baseline`` measures what exactness costs), ``<drafter>-k<k>``
 (fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
 0 included), with drafter one of model, ngram, composite; a ``-pipelined`` or ``-auto``
 suffix runs verify-while-draft (or the measured choice between it and sequential steps),
@@ -17,6 +19,7 @@ from ..errors import InvalidParameterError
 SPEC_DRAFTERS = ("model", "ngram", "composite")
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
 BASELINE = "baseline"
+BASELINE_ONE_ROW = "baseline-1row"  # plain decoding without batch-invariant steps (GenerationConfig.exact=False)
 _NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?(?:-w(\d+))?$")
 
 
@@ -27,6 +30,7 @@ class BenchConfig:
     draft_tokens: int | None = None  # fixed k; None with a drafter = adaptive
     mode: str = "sequential"  # loop mode: sequential | pipelined | auto
     draft_window: int | None = -1  # tokens; None = the whole history, -1 = the runtime's default
+    exact: bool = True  # batch-invariant target steps (the runtime's default)
 
     @property
     def speculative(self) -> bool:
@@ -41,7 +45,7 @@ class BenchConfig:
         from ..runtime.generator import DEFAULT_DRAFT_WINDOW, GenerationConfig
 
         if not self.speculative:
-            return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat)
+            return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat, exact=self.exact)
         window = DEFAULT_DRAFT_WINDOW if self.draft_window == -1 else self.draft_window
         if self.adaptive:
             return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat,
@@ -55,9 +59,11 @@ def parse_config_name(name: str) -> BenchConfig:
     """``baseline`` | ``model-k4`` | ``ngram-adaptive`` ... -> BenchConfig."""
     if name == BASELINE:
         return BenchConfig(BASELINE)
+    if name == BASELINE_ONE_ROW:
+        return BenchConfig(BASELINE_ONE_ROW, exact=False)
     m = _NAME.match(name)
     if not m:
-        raise InvalidParameterError(f"unknown bench configuration {name!r}; use baseline, <drafter>-k<k> or "
+        raise InvalidParameterError(f"unknown bench configuration {name!r}; use baseline, baseline-1row, <drafter>-k<k> or "
                                     f"<drafter>-adaptive with drafter one of {', '.join(SPEC_DRAFTERS)}")
     drafter, k, mode = m.group(1), m.group(3), m.group(4) or "sequential"
     if k is not None and int(k) < 1:

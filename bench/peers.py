@@ -8,6 +8,13 @@
 - ``llamacpp``: llama-cpp-python on the catalog's GGUF file, plain greedy and
   ``LlamaPromptLookupDecoding``.
 
+Every peer runs in its own worker process (bench/peer_worker.py), in its default
+configuration: the bench sets no environment variable for it (an earlier version forced
+``OMP_WAIT_POLICY=PASSIVE``, which cost llama.cpp 20-29% on a 2-core Sapphire Rapids VM);
+only the thread count is the bench's, passed as the peer's own option. A peer that
+crashes (llama.cpp's AMX segfault, see ``LLAMACPP_AMX_NOTE``) is reported with its signal
+and last stderr lines, and the bench's own results are still written.
+
 Every peer gets our prompt token ids (so tokenization cannot differ), is asked for as
 many tokens as our baseline produced for that prompt, and is timed with the same
 definition of tok/s (tokens after the first over the time after the first). A peer
@@ -27,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import metrics
 from .configs import BASELINE
@@ -67,6 +75,44 @@ class Job:
     prompt_ids: list[int]
     max_new_tokens: int  # = our baseline's output length for this prompt
     reference: list[int]  # our baseline's tokens
+
+
+@dataclass
+class PeerSession:
+    """A peer loaded in its worker process: its configuration names and how to run one."""
+
+    configs: list[str]
+    generate: Callable[[Job, str, int], PeerRun]  # (job, config, max new tokens) -> the run
+    info: dict  # versions, build flags, files, threads: what a reader needs to judge the numbers
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """What a peer's setup reads: the bench's thread count, the peer options, our bundle's manifest."""
+
+    threads: int
+    peer_options: dict
+    manifest: object  # specedge.manifest.Manifest
+
+
+class PeerCrashed(Exception):
+    """The peer's worker process died (a signal or an exit) while loading or generating."""
+
+    def __init__(self, message: str, signal_name: str | None, returncode: int | None, stderr_tail: list[str]):
+        super().__init__(message)
+        self.signal_name = signal_name
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+# llama-cpp-python 0.3.x built with GGML_NATIVE=ON segfaults in ggml_backend_amx_mul_mat on
+# Sapphire Rapids (a known upstream bug); a build with the ISA flags spelled out and AMX off runs.
+LLAMACPP_AMX_NOTE = (
+    "if llama.cpp crashes in its AMX matmul (ggml_backend_amx_mul_mat, Sapphire Rapids and later), rebuild it "
+    "without AMX: CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
+    "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-cache-dir llama-cpp-python")
 
 
 # ----------------------------------------------------------------------------- locating model files
@@ -127,8 +173,8 @@ def gguf_file(explicit: str | None, source: str) -> Path | None:
     return None
 
 
-def _threads(settings) -> int:
-    return settings.threads or os.cpu_count() or 1
+def _threads(ctx) -> int:
+    return ctx.threads or os.cpu_count() or 1
 
 
 def _interleaved(jobs: list[Job], configs: list[str], repeats: int):
@@ -140,7 +186,7 @@ def _interleaved(jobs: list[Job], configs: list[str], repeats: int):
 
 
 # ----------------------------------------------------------------------------- hf
-def run_hf(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
+def setup_hf(ctx: "PeerContext", log) -> PeerSession:
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -148,8 +194,8 @@ def run_hf(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[
         from transformers.generation.streamers import BaseStreamer
     except ImportError:
         raise PeerSkipped("transformers/torch are not installed (pip install 'specedge[export]')") from None
-    opts = settings.peer_options
-    manifest = gen.manifest
+    opts = ctx.peer_options
+    manifest = ctx.manifest
     target_dir = hf_folder(opts.get("hf_target"), manifest.target.source)
     if target_dir is None:
         raise PeerSkipped(f"no HF checkpoint found for the target ({manifest.target.source}); pass --hf-target")
@@ -160,7 +206,7 @@ def run_hf(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[
         if draft_dir is None:
             notes.append(f"assisted generation skipped: the draft ({manifest.draft.source}) has no HF checkpoint "
                          "(a quantized self-draft has none); pass --hf-draft to use one")
-    threads = _threads(settings)
+    threads = _threads(ctx)
     torch.set_num_threads(threads)
     log.note(f"peer hf: loading {target_dir.name}" + (f" + assistant {draft_dir.name}" if draft_dir else ""))
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -204,13 +250,11 @@ def run_hf(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[
         times = clock.times[:len(tokens)] + [clock.times[-1] if clock.times else 0.0] * (len(tokens) - len(clock.times))
         return PeerRun(job.workload, job.category, config, 0, tokens, times)
 
-    for config in configs:  # warm-up: first-call allocations, thread pools
-        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(configs), settings, generate, log, "hf", companions)
     info = {"folder": str(target_dir), "draft_folder": str(draft_dir) if draft_dir else None, "threads": threads,
             "dtype": "float32", "prompt_lookup_num_tokens": k, "configs": list(configs),
-            "transformers": __import__("transformers").__version__, "torch": torch.__version__}
-    return runs, {"info": info, "notes": notes}
+            "transformers": __import__("transformers").__version__, "torch": torch.__version__,
+            "build": torch.__config__.show().strip().splitlines()[:12]}
+    return PeerSession(list(configs), generate, info, notes)
 
 
 # ----------------------------------------------------------------------------- onnxruntime-genai
@@ -250,25 +294,25 @@ def _set_genai_threads(model_dir: Path, threads: int) -> None:
     path.write_text(json.dumps(cfg, indent=4))
 
 
-def run_genai(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
+def setup_genai(ctx: "PeerContext", log) -> PeerSession:
     try:
         import numpy as np
         import onnxruntime_genai as og
     except ImportError:
         raise PeerSkipped("onnxruntime-genai is not installed (pip install onnxruntime-genai)") from None
-    opts = settings.peer_options
-    hf_dir = hf_folder(opts.get("hf_target"), gen.manifest.target.source)
+    opts = ctx.peer_options
+    hf_dir = hf_folder(opts.get("hf_target"), ctx.manifest.target.source)
     if hf_dir is None:
-        raise PeerSkipped(f"no HF checkpoint for the target ({gen.manifest.target.source}) to build a genai model "
+        raise PeerSkipped(f"no HF checkpoint for the target ({ctx.manifest.target.source}) to build a genai model "
                           "from; pass --hf-target")
     precisions = opts.get("genai_precision") or ("int4",)
-    k = opts.get("lookup_tokens") or gen.manifest.speculation.max_draft_tokens
+    k = opts.get("lookup_tokens") or ctx.manifest.speculation.max_draft_tokens
     notes: list[str] = []
     models = {}
     configs: dict[str, tuple[str, dict | None]] = {}
     for precision in precisions:
         model_dir = build_genai_model(hf_dir, precision, log)
-        _set_genai_threads(model_dir, settings.threads)
+        _set_genai_threads(model_dir, ctx.threads)
         models[precision] = og.Model(str(model_dir))
         configs[f"genai-{precision}"] = (precision, None)
         params = og.GeneratorParams(models[precision])
@@ -302,36 +346,33 @@ def run_genai(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[li
             times += [now] * len(new)
         return PeerRun(job.workload, job.category, config, 0, tokens[:n], times[:n])
 
-    for config in configs:
-        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(configs), settings, generate, log, "genai", companions)
-    info = {"hf_folder": str(hf_dir), "precisions": list(precisions), "threads": settings.threads,
+    info = {"hf_folder": str(hf_dir), "precisions": list(precisions), "threads": ctx.threads,
             "ngram": {"ngram_size": 3, "max_draft_tokens": k}, "configs": list(configs),
             "onnxruntime_genai": og.__version__}
-    return runs, {"info": info, "notes": notes}
+    return PeerSession(list(configs), generate, info, notes)
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-def run_llamacpp(settings, gen, jobs: list[Job], log, companions: dict) -> tuple[list[PeerRun], dict]:
+def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
     try:
         import llama_cpp
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise PeerSkipped("llama-cpp-python is not installed (pip install llama-cpp-python; it compiles "
-                          "llama.cpp, minutes)") from None
-    opts = settings.peer_options
-    path = gguf_file(opts.get("gguf"), gen.manifest.target.source)
+                          f"llama.cpp, minutes). {LLAMACPP_AMX_NOTE}") from None
+    opts = ctx.peer_options
+    path = gguf_file(opts.get("gguf"), ctx.manifest.target.source)
     if path is None:
-        raise PeerSkipped(f"no GGUF file found for the target ({gen.manifest.target.source}); pass --gguf")
-    threads = _threads(settings)
-    k = opts.get("lookup_tokens") or gen.manifest.speculation.max_draft_tokens
-    common = dict(model_path=str(path), n_ctx=gen.max_context, n_threads=threads, n_threads_batch=threads,
+        raise PeerSkipped(f"no GGUF file found for the target ({ctx.manifest.target.source}); pass --gguf")
+    threads = _threads(ctx)
+    k = opts.get("lookup_tokens") or ctx.manifest.speculation.max_draft_tokens
+    common = dict(model_path=str(path), n_ctx=ctx.manifest.target.max_context, n_threads=threads, n_threads_batch=threads,
                   verbose=False, seed=0)
     log.note(f"peer llamacpp: loading {path.name}")
     engines = {"llamacpp-plain": Llama(**common),
                "llamacpp-prompt-lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
-    eos = set(gen.manifest.target.eos_token_ids)
+    eos = set(ctx.manifest.target.eos_token_ids)
 
     def generate(job: Job, config: str, n: int) -> PeerRun:
         llm = engines[config]
@@ -347,33 +388,104 @@ def run_llamacpp(settings, gen, jobs: list[Job], log, companions: dict) -> tuple
                 break
         return PeerRun(job.workload, job.category, config, 0, tokens, times)
 
-    for config in engines:
-        generate(jobs[0], config, min(8, jobs[0].max_new_tokens))
-    runs = _run_all(jobs, list(engines), settings, generate, log, "llamacpp", companions)
+    system = llama_cpp.llama_print_system_info()
+    system = system.decode(errors="replace") if isinstance(system, bytes) else str(system)
     info = {"gguf": str(path), "threads": threads, "num_pred_tokens": k, "configs": list(engines),
-            "llama_cpp_python": llama_cpp.__version__}
-    return runs, {"info": info, "notes": [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); "
-                                          "its text may differ from a bundle exported at another precision"]}
+            "llama_cpp_python": llama_cpp.__version__, "build": system.strip()}
+    notes = [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); its text may differ from a "
+             "bundle exported at another precision", LLAMACPP_AMX_NOTE]
+    return PeerSession(list(engines), generate, info, notes)
 
 
-RUNNERS = {"hf": run_hf, "genai": run_genai, "llamacpp": run_llamacpp}
+SETUPS = {"hf": setup_hf, "genai": setup_genai, "llamacpp": setup_llamacpp}
 
 
-def _run_all(jobs: list[Job], configs: list[str], settings, generate, log, title: str,
-             companions: dict) -> list[PeerRun]:
-    """The peer's configurations interleaved with our companion runs (same prompts, same lengths)."""
+# ----------------------------------------------------------------------------- worker process
+def _worker_command() -> list[str]:
+    """The command that runs one peer in its own process (see bench/peer_worker.py)."""
+    return [sys.executable, "-m", "specedge.bench.peer_worker"]
+
+
+STDERR_TAIL = 12  # lines of a crashed peer's stderr kept in the results
+
+
+class PeerProcess:
+    """One peer in a child process, driven one generation at a time over JSON lines.
+
+    Why a process: a peer library that crashes (llama.cpp's AMX segfault) would otherwise take
+    the bench, and every result it measured, down with it. The child loads the peer once
+    (``setup``), warms it up, then answers ``generate`` requests, so the parent can still
+    interleave our own runs with the peer's. stderr goes to a file: its tail explains a crash.
+    """
+
+    def __init__(self, peer: str, ctx_args: dict, warmup: Job, stderr_path: Path) -> None:
+        self.peer = peer
+        self.stderr_path = stderr_path
+        self._stderr = open(stderr_path, "wb")
+        self.proc = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr)
+        self.ready = self._call({"peer": peer, **ctx_args, "warmup": _job_json(warmup)})
+
+    def _call(self, message: dict) -> dict:
+        try:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = b""
+        if not line:
+            raise self._crashed()
+        return json.loads(line)
+
+    def _crashed(self) -> PeerCrashed:
+        import signal
+
+        code = self.proc.wait()
+        self._stderr.close()
+        tail = self.stderr_path.read_text(errors="replace").splitlines()[-STDERR_TAIL:]
+        name = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
+        how = f"killed by {name}" if name else f"exited with status {code}"
+        return PeerCrashed(f"peer {self.peer} {how}", name, code, tail)
+
+    def generate(self, job: Job, config: str, n: int) -> PeerRun:
+        reply = self._call({"job": _job_json(job), "config": config, "n": n})
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return PeerRun(job.workload, job.category, config, 0, reply["tokens"], reply["times"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+        if not self._stderr.closed:
+            self._stderr.close()
+
+
+def _job_json(job: Job) -> dict:
+    return {"workload": job.workload, "category": job.category, "prompt_ids": list(job.prompt_ids),
+            "max_new_tokens": job.max_new_tokens, "reference": list(job.reference)}
+
+
+def _run_all(jobs: list[Job], configs: list[str], repeats: int, generate, log, title: str,
+             companions: dict, on_run: Callable[[PeerRun], None] | None = None) -> list[PeerRun]:
+    """The peer's configurations interleaved with our companion runs (same prompts, same lengths).
+
+    ``on_run`` sees every run as it completes (the bench appends it to its partial results)."""
     from .progress import Progress
 
-    repeats = settings.peer_repeats
     order = list(configs) + list(companions)
     bar = Progress(len(jobs) * repeats * len(order), title=f"peer {title}", enabled=log.enabled)
     runs = []
-    for job, r, config in _interleaved(jobs, order, repeats):
-        run = companions[config](job) if config in companions else generate(job, config, job.max_new_tokens)
-        run.round = r
-        runs.append(run)
-        bar.advance(f"{job.workload} {config}")
-    bar.close()
+    try:
+        for job, r, config in _interleaved(jobs, order, repeats):
+            run = companions[config](job) if config in companions else generate(job, config, job.max_new_tokens)
+            run.round = r
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
+            bar.advance(f"{job.workload} {config}")
+    finally:
+        bar.close()
     return runs
 
 
@@ -451,44 +563,69 @@ def _companions(gen, best: dict) -> dict:
     return {OURS_BASELINE: lambda job: run(job, BenchConfig(BASELINE), OURS_BASELINE), OURS_BEST: best_run}
 
 
-def run_peers(settings, gen, workloads, our_runs, best: dict, log) -> dict:
-    """Run every requested peer; returns {peer: {"skipped": why} | {"info", "notes", "configs", "runs"}}."""
-    # Under CPU contention, OpenMP's default spin-waiting (torch, llama.cpp) collapses: measured
-    # here, a 16-token torch generate went from 2 s to 20 s. Passive waiting is the peers' best case.
-    previous_policy = os.environ.get("OMP_WAIT_POLICY")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        return _run_peers(settings, gen, workloads, our_runs, best, log)
-    finally:  # the process (a notebook, a test session) gets its environment back
-        if previous_policy is None:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-        else:
-            os.environ["OMP_WAIT_POLICY"] = previous_policy
+def _run_record(r: PeerRun) -> dict:
+    return {"workload": r.workload, "config": r.config, "round": r.round, "tokens": len(r.tokens),
+            "tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s}
 
 
-def _run_peers(settings, gen, workloads, our_runs, best: dict, log) -> dict:
+def run_peers(settings, gen, workloads, our_runs, best: dict, log,
+              on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run every requested peer, each in its own process and default configuration.
+
+    Returns {peer: {"skipped": why} | {"crashed": {...}, "runs"} | {"info", "notes", "configs", "runs"}}.
+    No environment setting is changed for a peer (OpenMP wait policy included): each runs as
+    its users would run it; the thread count, where the peer takes one, is the bench's.
+    ``on_event`` gets every peer run and every peer outcome as it happens (partial results).
+    """
+    import tempfile
+
+    emit = on_event or (lambda event: None)
     reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
     jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
-    companions = _companions(gen, best)
+    companions = _companions(gen, best) if gen is not None else {}
+    ctx_args = {"bundle": str(getattr(settings, "bundle", "")), "threads": getattr(settings, "threads", 0),
+                "peer_options": getattr(settings, "peer_options", {})}
     results: dict = {}
     for peer in settings.peers:
-        runner = RUNNERS.get(peer)
-        if runner is None:
+        if peer not in SETUPS:
             results[peer] = {"skipped": f"unknown peer {peer!r}; known: {', '.join(PEERS)}"}
             continue
-        try:
-            peer_runs, extra = runner(settings, gen, jobs, log, companions)
-        except PeerSkipped as exc:
-            log.note(f"peer {peer}: skipped: {exc}")
-            results[peer] = {"skipped": str(exc)}
-            continue
-        except Exception as exc:  # a peer's own failure must not lose the specedge results
-            log.note(f"peer {peer}: failed: {type(exc).__name__}: {exc}")
-            results[peer] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
-            continue
-        extra["info"]["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
-        results[peer] = {**extra, "configs": summarise(peer_runs, jobs, best),
-                         "runs": [{"workload": r.workload, "config": r.config, "round": r.round,
-                                   "tokens": len(r.tokens), "tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s}
-                                  for r in peer_runs]}
+        log.note(f"peer {peer}: starting its worker process")
+        runs: list[PeerRun] = []
+        with tempfile.TemporaryDirectory(prefix=f"specedge-peer-{peer}-") as tmp:
+            worker = None
+            try:
+                worker = PeerProcess(peer, ctx_args, jobs[0], Path(tmp) / "stderr.txt")
+                ready = worker.ready
+                if "skipped" in ready:
+                    raise PeerSkipped(ready["skipped"])
+                if "error" in ready:
+                    raise RuntimeError(ready["error"])
+
+                def on_run(run: PeerRun) -> None:
+                    runs.append(run)
+                    emit({"peer": peer, "run": _run_record(run)})
+
+                _run_all(jobs, ready["configs"], settings.peer_repeats, worker.generate, log, peer, companions,
+                         on_run)
+            except PeerSkipped as exc:
+                log.note(f"peer {peer}: skipped: {exc}")
+                results[peer] = {"skipped": str(exc)}
+            except PeerCrashed as exc:
+                log.note(f"peer {peer}: CRASHED ({exc}); our results are kept")
+                crash = {"signal": exc.signal_name, "returncode": exc.returncode, "stderr_tail": exc.stderr_tail}
+                notes = [LLAMACPP_AMX_NOTE] if peer == "llamacpp" else []
+                results[peer] = {"crashed": crash, "notes": notes, "info": worker.ready.get("info", {}) if worker is not None else {},
+                                 "configs": summarise(runs, jobs, best) if runs else {},
+                                 "runs": [_run_record(r) for r in runs]}
+            except Exception as exc:  # a peer's own failure must not lose the specedge results
+                log.note(f"peer {peer}: failed: {type(exc).__name__}: {exc}")
+                results[peer] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+            else:
+                results[peer] = {"info": ready["info"], "notes": ready["notes"],
+                                 "configs": summarise(runs, jobs, best), "runs": [_run_record(r) for r in runs]}
+            finally:
+                if worker is not None:
+                    worker.close()
+        emit({"peer": peer, "outcome": {k: v for k, v in results[peer].items() if k != "runs"}})
     return results

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from ..errors import InvalidParameterError
-from .configs import BASELINE
+from .configs import BASELINE, BASELINE_ONE_ROW
 from .runner import SCHEMA, SCHEMA_VERSION
 
 DEFINITIONS = """\
@@ -31,12 +31,18 @@ DEFINITIONS = """\
 - **failures**: any speculative run (or baseline repeat) whose greedy tokens differ from the prompt's first
   baseline run, with the first differing index. On a quantized target a difference in a run that saw a
   near-tie (top-2 logit gap < verify.NEAR_TIE_GAP) is reported as a near-tie divergence and does not fail.
+  With the default batch-invariant steps (every target forward runs >= 2 rows, engines/invariant.py) a
+  plain step and a verify row compute the same bits, so no divergence is expected on any precision;
+  `baseline-1row` (1-row plain steps) is the one configuration allowed to differ, and is not a failure.
 """
 PEER_DEFINITIONS = """\
 - **peers**: each gets our prompt token ids and is asked for as many tokens as our baseline produced; tok/s
   has our definition. **ours / peer** ratios use our runs (plain, and the workload's best configuration)
   interleaved with the peer's, per prompt, median over prompts. **same text**: share of prompts whose peer
-  tokens equal our baseline's.
+  tokens equal our baseline's. Each peer runs in its own process in its default configuration: the bench
+  sets no environment variable for it (no OpenMP wait policy); only the thread count is the bench's
+  (`--threads`, or every core), passed as the peer's own thread option. A peer that crashes is reported
+  with its signal and last stderr lines; the specedge results are written regardless.
 """
 
 
@@ -172,6 +178,12 @@ def render_markdown(doc: dict) -> str:
     else:
         out.append("Every speculative run's greedy output equals the baseline's, token for token.")
     out.append("")
+    one_row = {c: e["configs"][BASELINE_ONE_ROW]["speedup"] for c, e in doc["workloads"].items()
+               if BASELINE_ONE_ROW in e["configs"]}
+    if one_row:
+        out += ["**What exactness costs** (plain decoding with 1-row steps, `baseline-1row`, over the exact "
+                "`baseline`, median of paired ratios): " + ", ".join(f"{c} {_f(x, 2, 'x')}" for c, x in one_row.items())
+                + f"; {summary.get('one_row_divergences', 0)} of its runs differ from the exact baseline.", ""]
 
     # Per workload
     header = ["config", "tok/s (IQR)", "speedup", "acc", "a", "mal", "acc/pos", "k chosen", "split d/v/o %",
@@ -183,7 +195,7 @@ def render_markdown(doc: dict) -> str:
         for name, c in entry["configs"].items():
             split = c["time_split"]
             bnd = c.get("bound") or {}
-            spec = name != BASELINE
+            spec = name not in (BASELINE, BASELINE_ONE_ROW)
             tps = c["tokens_per_s"]
             rows.append([
                 name + (" ✗" if c.get("failures") else ""),
@@ -223,11 +235,24 @@ def render_markdown(doc: dict) -> str:
             if "skipped" in res:
                 out += [f"- **{peer}**: skipped: {res['skipped']}", ""]
                 continue
+            if "crashed" in res:
+                crash = res["crashed"]
+                how = crash["signal"] or f"exit status {crash['returncode']}"
+                out += [f"- **{peer}**: CRASHED ({how}) after {len(res.get('runs', []))} run(s); the specedge "
+                        "results above are complete. Last lines of its stderr:", "", "```",
+                        *crash["stderr_tail"], "```"]
             info = res.get("info", {})
-            out.append(f"**{peer}**: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "configs"))
+            if info:
+                out.append(f"**{peer}**: " + ", ".join(f"{k} {v}" for k, v in info.items()
+                                                       if k not in ("configs", "build")))
+            if info.get("build"):
+                build = info["build"] if isinstance(info["build"], str) else " | ".join(info["build"])
+                out.append(f"- build: `{build[:600]}`")
             for note in res.get("notes", []):
                 out.append(f"- {note}")
             out.append("")
+            if not res.get("configs"):
+                continue
             rows = []
             for cfg, cells in res["configs"].items():
                 for category, c in cells.items():
@@ -255,6 +280,14 @@ def results_stem(out: Path, doc: dict) -> Path:
         return out / f"{doc['date']}-{doc['bundle']['name']}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out.with_suffix("") if out.suffix in (".md", ".json") else out
+
+
+def partial_results_path(out: Path, bundle: Path) -> Path:
+    """Where a bench run writing to ``out`` appends its JSON-lines partial results."""
+    name = f"{bundle.resolve().name or 'bundle'}.partial.jsonl"
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        return out / name
+    return (out.with_suffix("") if out.suffix in (".md", ".json") else out).with_suffix(".partial.jsonl")
 
 
 def write_results(doc: dict, out: Path) -> tuple[Path, Path]:

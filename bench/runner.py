@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import __version__
 from . import metrics
-from .configs import BASELINE, DEFAULT_K_SWEEP, BenchConfig, expand_configs
+from .configs import BASELINE, BASELINE_ONE_ROW, DEFAULT_K_SWEEP, BenchConfig, expand_configs
 from .progress import Progress
 from .suite import Workload, load_suite
 
@@ -66,6 +66,9 @@ class BenchSettings:
     command: str = ""  # the exact command line, for the results file
     progress: bool = True
     verify_checksums: bool = True
+    # JSON lines appended as the bench goes (every run, every peer run and outcome), so a bench
+    # that is killed or whose peer takes the process down keeps what it measured. None = off.
+    partial_path: Path | None = None
 
 
 @dataclass
@@ -359,14 +362,37 @@ def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:
         if index is None:
             continue
         near_tie = quantized and r.near_ties > 0
+        if r.config == BASELINE_ONE_ROW:
+            kind = "one-row steps (not exact)"  # measured on purpose: what exactness costs, and buys
+        else:
+            kind = "near-tie divergence" if near_tie else "divergence"
         failures.append({
             "workload": r.workload, "category": r.category, "config": r.config, "round": r.round,
             "first_divergence": index,
             "baseline_token": ref.tokens[index] if index < len(ref.tokens) else None,
             "config_token": r.tokens[index] if index < len(r.tokens) else None,
             "baseline_tokens": len(ref.tokens), "config_tokens": len(r.tokens), "near_ties": r.near_ties,
-            "kind": "near-tie divergence" if near_tie else "divergence"})
+            "kind": kind})
     return failures
+
+
+class PartialLog:
+    """Appends one JSON object per line to ``path`` and flushes it at once (no-op when path is None)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("", encoding="utf-8")
+
+    def __call__(self, event: dict) -> None:
+        if self.path is None:
+            return
+        import json
+
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event, default=str) + "\n")
+            f.flush()
 
 
 def _bundle_name(bundle: Path) -> str:
@@ -381,6 +407,10 @@ def run_bench(settings: BenchSettings) -> dict:
     suite = load_suite(settings.suite_path) if settings.suite_path else load_suite()
     selected = suite.select(list(settings.categories) if settings.categories else None, settings.per_category)
     log = Progress(0, enabled=settings.progress)
+    partial = PartialLog(settings.partial_path)
+    partial({"event": "start", "started_utc": started.isoformat(timespec="seconds"),
+             "command": settings.command or shlex.join(sys.argv), "bundle": str(settings.bundle),
+             "machine": machine_info()})
     load_start = machine_info()["load_average"]
     reset_peak_rss()
     t_load = time.perf_counter()
@@ -440,6 +470,7 @@ def run_bench(settings: BenchSettings) -> dict:
                 result = gen.generate(input_ids=ids, config=config.generation_config(settings.max_new_tokens,
                                                                                       used_chat))
                 runs.append(_record(result, w, config.name, r, peak_rss_mb()))
+                partial({"event": "run", **runs[-1].summary()})
                 bar.advance(f"{w.id} {config.name}")
     bar.close()
     rss_specedge = process_peak_rss_mb()
@@ -473,7 +504,9 @@ def run_bench(settings: BenchSettings) -> dict:
     if settings.peers:
         from .peers import run_peers
 
-        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), log)
+        partial({"event": "specedge_done", "best": best_configs(by_category)})
+        peers = run_peers(settings, gen, workloads, runs, best_configs(by_category), log,
+                          on_event=lambda e: partial({"event": "peer", **e}))
     hard = [f for f in failures if f["kind"] == "divergence"]
     machine = machine_info()
     machine["load_average_end"] = machine.pop("load_average")
@@ -515,7 +548,9 @@ def run_bench(settings: BenchSettings) -> dict:
         "notes": notes,
         "peers": peers,
         "runs": [r.summary() for r in runs],
-        "summary": {"failures": len(hard), "near_tie_divergences": len(failures) - len(hard),
+        "summary": {"failures": len(hard),
+                    "near_tie_divergences": sum(1 for f in failures if f["kind"] == "near-tie divergence"),
+                    "one_row_divergences": sum(1 for f in failures if f["kind"] == "one-row steps (not exact)"),
                     "exit_code": 1 if hard else 0, "best": best_configs(by_category)},
     }
     return doc
@@ -525,7 +560,8 @@ def best_configs(by_category: dict) -> dict:
     """Per category: the speculative configuration with the highest median speedup."""
     out = {}
     for category, entry in by_category.items():
-        cells = {n: c for n, c in entry["configs"].items() if n != BASELINE and not math.isnan(c["speedup"])}
+        cells = {n: c for n, c in entry["configs"].items()
+                 if n not in (BASELINE, BASELINE_ONE_ROW) and not math.isnan(c["speedup"])}
         base = entry["configs"][BASELINE]["tokens_per_s"]["median"]
         if not cells:
             out[category] = {"config": None, "speedup": None, "baseline_tokens_per_s": base}

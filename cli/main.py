@@ -285,7 +285,9 @@ def _stats_line(result) -> str:
 def generate(bundle: Path, prompt: str, raw: bool, stream: bool, stats: bool, as_json: bool, **kw) -> None:
     """Generate a reply from a bundle, speculating whenever it pays.
 
-    Greedy output is token-identical to --no-speculation. Ctrl-C prints what was
+    Greedy output is token-identical to --no-speculation on the same machine, int4
+    bundles included (every target step runs two rows so plain steps and verifies
+    compute the same bits; README: When output is identical). Ctrl-C prints what was
     generated so far.
     """
     kw["raw"] = raw

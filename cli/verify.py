@@ -388,7 +388,7 @@ def _route_gpu(route: str, bundle: Path, reference: dict, bandwidth: float | Non
                                                                     device_id=device_id))
     manifest = load_manifest(bundle, verify_checksums=False)
     log = _log(manifest)
-    log.watch(gen.target)
+    log.watch(gen.target.inner)  # the GPU engine under the batch-invariant wrapper
     log.watch(gen.draft)
     result = {"runs": compare_runs(gen, reference), "addresses": log.summary(),
               "timing": timing(gen.target, bundle, bandwidth)}

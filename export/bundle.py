@@ -289,6 +289,15 @@ def export_bundle(config: ExportConfig) -> Manifest:
         variance = dict(target_exp.batch_variance)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
         unknown = {"target": list(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
+        # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
+        # record, for this graph on this machine, that it holds and what it costs.
+        from .validate import exact_steps
+
+        exact = {"target": exact_steps(target, tmp / target.graph)}
+        if not exact["target"]["bit_identical"] and not config.quiet:
+            print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
+                  "a verify row; speculative greedy output may differ from plain decoding at near ties",
+                  file=sys.stderr)
         draft = None
         head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,
                                       target.eos_token_ids) if config.draft_vocab else None)
@@ -336,7 +345,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "batch_variance": variance, **({"context_warnings": warned} if warned else {}),
+            extra={"validation": reports, "batch_variance": variance, "exact_steps": exact,
+                   **({"context_warnings": warned} if warned else {}),
                    **({"unknown_config_fields": unknown} if unknown else {}),
                    "export_seconds": round(time.perf_counter() - started, 1)},
         )

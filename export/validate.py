@@ -211,3 +211,46 @@ def batch_variance(entry: ModelEntry, graph: Path, *, verify: int = 5, prefix: i
                            for i in range(verify)])
         worst = max(worst, float(np.abs(batched - single).max()))
     return worst
+
+
+def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int = 5, reps: int = 9,
+                seed: int = 2) -> dict:
+    """Check, on this machine, that batch-invariant steps (engines/invariant.py) make a plain step
+    bit-identical to a verify row, and measure what they cost.
+
+    Returns ``{"bit_identical": bool, "two_row_step_cost": float, "one_row_step_ms": float}``:
+    ``bit_identical`` compares the logits and K/V of ``verify`` 1-token steps with one
+    ``verify``-token forward; ``two_row_step_cost`` is the median over ``reps`` paired timings
+    of a 2-row step over a bare 1-row step (what exact plain decoding pays per token).
+    """
+    import time
+
+    from ..engines.invariant import BatchInvariantEngine
+
+    bare = OrtEngine(entry, graph, EngineOptions())
+    engine = BatchInvariantEngine(bare)
+    prefix = max(1, min(prefix, entry.max_context - verify - 1))  # small contexts (>= 16) still fit
+    ids = np.random.default_rng(seed).integers(0, entry.vocab_size, size=prefix + verify).astype(np.int64)
+    kv = engine.new_cache()
+    engine.forward(ids[:prefix], kv)
+    rows = engine.forward(ids[prefix:], kv, num_logits=verify).copy()
+    rows_kv = [a.copy() for a in kv.keys + kv.values]
+    kv.rewind(verify)
+    steps = np.stack([engine.forward(ids[prefix + i:prefix + i + 1], kv)[0].copy() for i in range(verify)])
+    same = bool(np.array_equal(steps, rows)) and all(np.array_equal(a, b) for a, b in zip(kv.keys + kv.values,
+                                                                                         rows_kv))
+    kv.rewind(verify)
+    one, ratios = [], []
+    token = ids[prefix:prefix + 1]
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        bare.forward(token, kv)
+        t1 = time.perf_counter()
+        kv.rewind(1)
+        engine.forward(token, kv)
+        t2 = time.perf_counter()
+        kv.rewind(1)
+        one.append(t1 - t0)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return {"bit_identical": same, "two_row_step_cost": round(float(np.median(ratios)), 3),
+            "one_row_step_ms": round(float(np.median(one)) * 1e3, 3)}

@@ -1,10 +1,11 @@
 """Explain where two greedy runs of the same target part ways.
 
 Floating point is not batch-invariant: a (k+1)-token verify can pick a different
-argmax than a 1-token step where the target's top two logits nearly tie. On fp32
-bundles specedge's outputs are identical; on quantized bundles any divergence must
-occur at such a near-tie. This module finds the first divergence and measures the
-target's top-2 logit gap there.
+argmax than a 1-token step where the target's top two logits nearly tie. With the
+default batch-invariant steps (engines/invariant.py) plain steps and verify rows
+compute the same bits, so greedy outputs are identical on every precision; with 1-row
+steps (``GenerationConfig(exact=False)``) a divergence occurs at such a near tie. This
+module finds the first divergence and measures the target's top-2 logit gap there.
 """
 
 from __future__ import annotations

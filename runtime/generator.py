@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..engines import EngineOptions, backend_for, create_engine
+from ..engines.invariant import BatchInvariantEngine
 from ..errors import BundleError, ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..manifest import DRAFTERS, Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
@@ -74,6 +75,11 @@ class GenerationConfig:
     # 2-core AVX2 EPYC), so 64 tokens cost ~20 draft steps where a 300-token prompt cost ~100.
     # None = read everything (slower start, best acceptance).
     draft_window: int | None = DEFAULT_DRAFT_WINDOW
+    # Every target forward runs >= 2 rows (engines/invariant.py), so a plain step and a verify row
+    # take the same kernels and greedy speculation equals plain decoding token for token. False:
+    # 1-row plain steps, faster on int4 CPU bundles (a 2-row step costs 1.3-1.5x there), but the
+    # two paths' logits differ in the low bits and near ties can flip.
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -94,6 +100,8 @@ class GenerationConfig:
             raise InvalidParameterError(f"max_latency_s must be a number > 0 (seconds) or None; "
                                         f"got {self.max_latency_s!r}")
         ModelDrafter.check_window(self.draft_window)
+        if not isinstance(self.exact, bool):
+            raise InvalidParameterError(f"exact must be True or False; got {self.exact!r}")
         if self.mode not in loop.MODES:
             raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
         if isinstance(self.stop, str):
@@ -162,7 +170,7 @@ class Generator:
         self.bundle = bundle
         self.manifest = manifest
         self.codec = codec
-        self.target = target
+        self.target = BatchInvariantEngine(target)  # exact by default; .inner is the bare engine
         self.draft = draft
         self.target_kv = target.new_cache()  # allocated once, reused by every call
         self.draft_kv = draft.new_cache() if draft is not None else None
@@ -384,7 +392,8 @@ class Generator:
 
         with self._lock:
             self._owner = threading.get_ident()
-            blocks = loop.run(self.target, self.target_kv, np.asarray(ids, np.int64),
+            target = self.target if config.exact else self.target.inner
+            blocks = loop.run(target, self.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
                               result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,

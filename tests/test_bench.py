@@ -407,20 +407,100 @@ def test_write_results_to_a_stem(quick_run, tmp_path):
     assert md == tmp_path / "sub" / "run.md" and js.is_file()
 
 
-def test_peer_runs_restore_the_omp_wait_policy(monkeypatch):
-    """The peers run with passive OpenMP waiting; the caller's environment comes back unchanged."""
+def test_peers_run_with_the_environment_unchanged(monkeypatch):
+    """No environment setting slows a peer: the bench sets no OpenMP wait policy (or anything else)."""
     import os
     from types import SimpleNamespace
 
     from specedge.bench.peers import run_peers
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    out = run_peers(SimpleNamespace(peers=("nope",)), None, [], [], {}, log=None)
+    before = dict(os.environ)
+    out = run_peers(SimpleNamespace(peers=("nope",)), None, [], [], {}, log=Progress(0, enabled=False))
     assert "unknown peer" in out["nope"]["skipped"]
-    assert "OMP_WAIT_POLICY" not in os.environ
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    run_peers(SimpleNamespace(peers=()), None, [], [], {}, log=None)
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert dict(os.environ) == before
+
+
+# A stand-in peer worker speaking bench/peer_worker.py's protocol: it answers the handshake and
+# its first generation, then dies of SIGSEGV on the second, as llama.cpp's AMX matmul did.
+FAKE_WORKER = """
+import json, os, signal, sys
+init = json.loads(sys.stdin.readline())
+print(json.dumps({"configs": ["fake-plain"], "info": {"build": "FAKE_BUILD=1"}, "notes": []}), flush=True)
+for i, line in enumerate(sys.stdin):
+    if i == 1:
+        print("ggml_backend_amx_mul_mat: about to crash", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    job = json.loads(line)["job"]
+    print(json.dumps({"tokens": job["reference"], "times": [0.01 * (j + 1) for j in range(len(job["reference"]))]}),
+          flush=True)
+"""
+
+
+@pytest.fixture
+def segfaulting_peer(tmp_path, monkeypatch):
+    from specedge.bench import peers
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setattr(peers, "_worker_command", lambda: [sys.executable, str(script)])
+
+
+def test_a_peer_that_segfaults_is_reported_as_crashed_with_its_signal_and_stderr(segfaulting_peer):
+    from types import SimpleNamespace
+
+    from specedge.bench.peers import run_peers
+
+    workloads = [(SimpleNamespace(id=f"w{i}", category="code"), [6, 7, 8], False) for i in range(3)]
+    ours = [SimpleNamespace(workload=f"w{i}", config="baseline", round=0, tokens=[9, 10, 11]) for i in range(3)]
+    events = []
+    settings = SimpleNamespace(peers=("llamacpp",), peer_repeats=1, threads=1, peer_options={}, bundle="unused")
+    out = run_peers(settings, None, workloads, ours, {}, Progress(0, enabled=False), on_event=events.append)
+    crash = out["llamacpp"]["crashed"]
+    assert crash["signal"] == "SIGSEGV" and crash["returncode"] == -11
+    assert crash["stderr_tail"][-1] == "ggml_backend_amx_mul_mat: about to crash"
+    assert len(out["llamacpp"]["runs"]) == 1  # the run finished before the crash is kept
+    assert any("DGGML_AMX_INT8=OFF" in note for note in out["llamacpp"]["notes"])
+    assert [e["run"]["workload"] for e in events if "run" in e] == ["w0"]
+    assert events[-1]["outcome"]["crashed"]["signal"] == "SIGSEGV"
+
+
+def test_a_peer_crash_keeps_our_results_and_the_partial_file_has_every_run(tiny, segfaulting_peer, tmp_path):
+    from specedge.bench.report import partial_results_path
+    from specedge.bench.runner import BenchSettings, PartialLog, run_bench
+
+    partial = partial_results_path(tmp_path / "out", tiny["bundle"])
+    settings = BenchSettings(bundle=tiny["bundle"], categories=("code", "chat"), per_category=1,
+                             max_new_tokens=8, repeats=1, configs="ngram-k2", warmup_tokens=4, micro_reps=1,
+                             peers=("llamacpp",), progress=False, partial_path=partial)
+    doc = run_bench(settings)
+    check_schema(doc)
+    assert doc["peers"]["llamacpp"]["crashed"]["signal"] == "SIGSEGV"
+    assert "CRASHED (SIGSEGV)" in render_markdown(doc)
+    events = [json.loads(line) for line in partial.read_text().splitlines()]
+    runs = [e for e in events if e["event"] == "run"]
+    # Written as they happened: every specedge run (2 prompts x 2 configs), then the peer's.
+    assert len(runs) == 4 and {r["config"] for r in runs} == {"baseline", "ngram-k2"}
+    assert events[0]["event"] == "start" and events[-1]["event"] == "peer"
+    assert events[-1]["outcome"]["crashed"]["signal"] == "SIGSEGV"
+    PartialLog(None)({"event": "ignored"})  # no path: nothing written, nothing raised
+
+
+def test_baseline_1row_is_plain_decoding_without_exact_steps_and_its_differences_are_not_failures():
+    config = parse_config_name("baseline-1row")
+    assert not config.speculative and config.exact is False
+    assert config.generation_config(8).exact is False and parse_config_name("baseline").generation_config(8).exact
+    base = RunRecord(**{**_REC, "config": "baseline", "tokens": [1, 2, 3]})
+    one_row = RunRecord(**{**_REC, "config": "baseline-1row", "tokens": [1, 2, 4], "near_ties": 1})
+    spec = RunRecord(**{**_REC, "config": "ngram-k4", "tokens": [1, 2, 4], "near_ties": 0})
+    kinds = {f["config"]: f["kind"] for f in check_outputs([base, one_row, spec], quantized=True)}
+    assert kinds == {"baseline-1row": "one-row steps (not exact)", "ngram-k4": "divergence"}
+
+
+_REC = dict(workload="w", category="code", round=0, token_times_s=[], tokens_per_s=1.0, new_tokens=3,
+            finish_reason="length", ttft_s=0.0, prefill_s=0.0, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+            total_s=1.0, steps=3, drafted=0, accepted=0, drafted_per_position=[], accepted_per_position=[],
+            k_chosen={}, near_ties=0, mode_s={}, rss_peak_mb=0.0)
 
 
 def test_draft_window_suffix_names_a_window():

@@ -507,7 +507,7 @@ def test_a_native_tensorrt_bundle_loads_through_generator_from_bundle(standard_p
     assert backend_for(entry, bundle / entry.graph, "cuda") == "onnxruntime-gpu"
     assert backend_for(entry, bundle / entry.graph, "cpu") == "onnxruntime"
     gen = Generator.from_bundle(bundle, provider="tensorrt")
-    assert isinstance(gen.target, TensorrtEngine) and isinstance(gen.draft, TensorrtEngine)
+    assert isinstance(gen.target.inner, TensorrtEngine) and isinstance(gen.draft, TensorrtEngine)
     cpu = Generator.from_bundle(bundle, provider="cpu", threads=1)
     config = dict(input_ids=PROMPT_IDS, max_new_tokens=16, chat=False, drafter="model", draft_tokens=3,
                   adaptive=False, temperature=0.0)
