@@ -552,9 +552,18 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
 
 
 # Initializers holding one row per position, as export/graph.py names them: the fused-GQA
-# graph's rotary table and GPT-2's learned position embeddings. A position past their rows
-# fails inside ONNX Runtime mid-generation, so max_context must not exceed them.
+# graph's rotary tables (``cos_cache`` or, one per rope table, ``cos_cache_<n>``) and GPT-2's
+# learned position embeddings. A position past their rows fails inside ONNX Runtime
+# mid-generation, so max_context must not exceed them.
 POSITION_TABLES = ("cos_cache", "pos_embed")
+
+
+def _position_table(name: str) -> str | None:
+    """The POSITION_TABLES kind an initializer name is, or None."""
+    base, _, suffix = name.rpartition("_")
+    if name in POSITION_TABLES:
+        return name
+    return base if base in POSITION_TABLES and suffix.isdigit() else None
 
 
 def check_graph_files(bundle: Path, manifest: Manifest) -> None:
@@ -577,9 +586,9 @@ def check_graph_files(bundle: Path, manifest: Manifest) -> None:
             if rel not in entry.data_files:
                 raise ChecksumError(f"{where} names {rel!r}, which models.{role}.data_files does not list, so no "
                                     "checksum covers it (tampered bundle?); re-export the bundle")
-        for table in POSITION_TABLES:
-            dims = facts.initializer_dims.get(table)
-            if dims and dims[0] < entry.max_context:
+        for name, dims in facts.initializer_dims.items():
+            table = _position_table(name)
+            if table and dims and dims[0] < entry.max_context:
                 raise ManifestError(f"manifest field 'models.{role}.max_context' is {entry.max_context} but "
                                     f"{entry.graph} was built for {dims[0]} positions (its {table!r} table); "
                                     f"lower max_context to at most {dims[0]} or re-export with --max-context")
