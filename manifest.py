@@ -40,7 +40,6 @@ MANIFEST_FILE = "manifest.json"
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
 KV_DTYPES = ("float32", "float16")
-DRAFTERS = ("none", "model", "ngram", "composite")
 # Keys of `extra` the runtime reads (everything else there is informational).
 COST_PROFILE_KEY = "cost_profile"  # measured step costs (runtime/profile.py writes it)
 BATCH_VARIANCE_KEY = "batch_variance"  # role -> max |verify - step| logit difference (export writes it)
@@ -146,7 +145,7 @@ class TokenizerEntry:
 class SpeculationDefaults:
     """What a bundle runs when the caller does not say otherwise."""
 
-    drafter: str = "model"  # one of DRAFTERS
+    drafter: str = "model"  # one of runtime.drafters.DRAFTER_CHOICES
     draft_tokens: int = 4  # k for fixed-k speculation
     max_draft_tokens: int = 8  # the largest verify is max_draft_tokens + 1 tokens
     adaptive: bool = True  # let the cost model choose k per step (k=0 included)
@@ -360,6 +359,9 @@ def parse_manifest(obj: Any) -> Manifest:
         add_bos_token=_get(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
     )
 
+    # The drafter registry names the drafters; imported here, not at the top: the runtime imports this module.
+    from .runtime.drafters import DRAFTER_CHOICES, needs_draft_model
+
     spec = _get(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
     max_draft = _get(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
@@ -372,12 +374,12 @@ def parse_manifest(obj: Any) -> Manifest:
                             f" got {draft_tokens}")
     speculation = SpeculationDefaults(
         drafter=_choice(_get(spec, "drafter", "speculation", str, optional=True,
-                             default="model" if draft else "ngram"), DRAFTERS, "speculation.drafter"),
+                             default="model" if draft else "ngram"), DRAFTER_CHOICES, "speculation.drafter"),
         draft_tokens=draft_tokens,
         max_draft_tokens=max_draft,
         adaptive=_get(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
     )
-    if speculation.drafter in ("model", "composite") and draft is None:
+    if needs_draft_model(speculation.drafter) and draft is None:
         raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
                             "no models.draft")
 

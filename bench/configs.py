@@ -2,7 +2,7 @@
 
 Names: ``baseline`` (plain decoding through the same engine), ``<drafter>-k<k>``
 (fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
-0 included), with drafter one of model, ngram, composite; a ``-pipelined`` or ``-auto``
+0 included), with drafter one of the registry's (runtime/drafters.py); a ``-pipelined`` or ``-auto``
 suffix runs verify-while-draft (or the measured choice between it and sequential steps),
 and a ``-w<N>`` suffix sets the draft window (``-w0``: the draft reads the whole prompt).
 """
@@ -13,11 +13,14 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidParameterError
+from ..runtime.drafters import DRAFTERS, needs_draft_model
+from ..runtime.loop import MODES
 
-SPEC_DRAFTERS = ("model", "ngram", "composite")
+SPEC_DRAFTERS = tuple(DRAFTERS)  # the registry's drafters, in its order
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
 BASELINE = "baseline"
-_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?(?:-w(\d+))?$")
+_NAME = re.compile(rf"^({'|'.join(map(re.escape, SPEC_DRAFTERS))})-(adaptive|k(\d+))"
+                   rf"(?:-({'|'.join(m for m in MODES if m != 'sequential')}))?(?:-w(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def expand_configs(spec: str | None, *, has_draft: bool, max_draft_tokens: int,
             continue
         seen.add(name)
         config = parse_config_name(name)
-        if config.drafter in ("model", "composite") and not has_draft:
+        if needs_draft_model(config.drafter) and not has_draft:
             no_draft.append(name)
             continue
         if config.draft_tokens is not None and config.draft_tokens > max_draft_tokens:

@@ -206,6 +206,8 @@ def tune(bundle: Path, threads: int, as_json: bool) -> None:
 
 # ----------------------------------------------------------------------------- generate
 def _generation_options(fn):
+    from ..runtime.drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER
+
     options = [
         click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate."),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
@@ -213,8 +215,9 @@ def _generation_options(fn):
         click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off."),
         click.option("--seed", type=int, default=None, help="Sampling seed."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--drafter", type=click.Choice(["none", "model", "ngram", "composite"]), default=None,
-                     help="Override the bundle's drafter."),
+        click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=None,
+                     help="Override the bundle's drafter: " + "; ".join(
+                         [f"{NO_DRAFTER} = plain decoding"] + [f"{n} = {d.help}" for n, d in DRAFTERS.items()]) + "."),
         click.option("--draft-tokens", "-k", type=int, default=None,
                      help="Fixed draft length k (default: adaptive, which may choose 0 = no speculation)."),
         click.option("--adaptive/--no-adaptive", default=None, help="Let the cost model choose k per step."),

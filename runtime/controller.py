@@ -1,14 +1,42 @@
 """Draft-length controllers: how many tokens to draft before the next verify.
 
 ``choose(limit) -> k`` picks 0..limit (0 = a plain target step); ``observe(...)``
-feeds back what the step cost and how much of it was accepted.
+feeds back what the step cost and how much of it was accepted; ``snapshot()`` is
+all the loop and the Generator read back (stats, and what the next reply starts from).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class ControllerSnapshot:
+    """What a controller reports after a run (read by the Generator, never probed)."""
+
+    acceptance: tuple[float, ...] = ()  # learned per-position acceptance (empty: none learned)
+    observed: int = 0  # positions 0..observed-1 have had at least one outcome
+    catchup_deferred: int = 0  # steps run plain because a catch-up would not have paid off
+    mode_s: tuple[tuple[str, float], ...] = ()  # ("speculative" | "plain", seconds) pairs; empty: not tracked
+
+
+class Controller(Protocol):
+    """Chooses the draft length k of each step."""
+
+    name: str
+
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
+        """k in 0..limit. ``catchup_tokens``: what the drafter reads before drafting;
+        ``expected_remaining``: tokens this reply is still expected to run (None = unknown)."""
+        ...
+
+    def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float, *,
+                catchup_s: float = 0.0, catchup_tokens: int = 0) -> None: ...
+
+    def snapshot(self) -> ControllerSnapshot: ...
 
 
 class FixedK:
@@ -27,6 +55,9 @@ class FixedK:
     def observe(self, k: int, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float, *,
                 catchup_s: float = 0.0, catchup_tokens: int = 0) -> None:
         pass
+
+    def snapshot(self) -> ControllerSnapshot:
+        return ControllerSnapshot()
 
 
 @dataclass
@@ -238,3 +269,6 @@ class AdaptiveK:
                 self.alpha[i] = (1 - b) * self.alpha[i] + b * outcome
             self.observed = max(self.observed, reached)
         self.mode_s["speculative" if n_drafted else "plain"] += draft_s + verify_s
+
+    def snapshot(self) -> ControllerSnapshot:
+        return ControllerSnapshot(tuple(self.alpha), self.observed, self.catchup_deferred, tuple(self.mode_s.items()))

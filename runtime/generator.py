@@ -26,11 +26,11 @@ import numpy as np
 
 from ..engines import EngineOptions, backend_for, create_engine
 from ..errors import BundleError, ContextOverflowError, InvalidParameterError, SpecedgeError
-from ..manifest import DRAFTERS, Manifest, load_head_tokens, load_manifest, resolve_inside
+from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
 from . import profile as cost_profile
-from .controller import AdaptiveK, CostProfile, FixedK
-from .drafters import CompositeDrafter, ModelDrafter, NGramDrafter
+from .controller import AdaptiveK, Controller, CostProfile, FixedK
+from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, ModelDrafter, needs_draft_model
 from .horizon import ReplyLengths
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -79,8 +79,8 @@ class GenerationConfig:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
-        if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise InvalidParameterError(f"drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
+            raise InvalidParameterError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}; got {self.drafter!r}")
         if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
                                               or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
             raise InvalidParameterError(f"draft_tokens must be an integer >= 0; got {self.draft_tokens!r}")
@@ -266,28 +266,19 @@ class Generator:
         return ids
 
     # --------------------------------------------------------------------- drafting
-    def _drafter_and_controller(self, config: GenerationConfig):
+    def _drafter_and_controller(self, config: GenerationConfig) -> tuple[Drafter | None, Controller | None]:
         spec = self.manifest.speculation
         name = config.drafter or spec.drafter
-        if config.drafter is None and name in ("model", "composite") and self.draft is None:
+        if config.drafter is None and needs_draft_model(name) and self.draft is None:
             name = "ngram"  # the draft model was not loaded (load_draft=False): speculate without it
-        if not config.speculation or name == "none":
+        if not config.speculation or name == NO_DRAFTER:
             return None, None
-        if name in ("model", "composite") and self.draft is None:
+        if needs_draft_model(name) and self.draft is None:
             raise InvalidParameterError(f"drafter {name!r} needs a draft model, and this bundle has none "
                                         "(export with --draft, or use --drafter ngram)")
-        sampling = config.sampling
-        if name == "ngram":
-            drafter = NGramDrafter(config.max_ngram, config.min_ngram)
-        else:
-            model = ModelDrafter(self.draft, sampling, p_min=config.p_min,
-                                 seed=None if config.seed is None else config.seed + 1, cache=self.draft_kv,
-                                 head_ids=self.draft_head_ids, vocab_size=self.manifest.target.vocab_size,
-                                 window=config.draft_window)
-            # In the composite, a 1-token match is too weak to beat the model's own guess: the
-            # n-gram side needs a suffix of >= 2 tokens (a repeated phrase) to take over.
-            drafter = model if name == "model" else CompositeDrafter(
-                NGramDrafter(max(config.max_ngram, 2), max(config.min_ngram, 2)), model)
+        draft = None if self.draft is None else DraftModel(self.draft, self.draft_kv, self.draft_head_ids,
+                                                           self.manifest.target.vocab_size)
+        drafter = DRAFTERS[name].build(config, draft)
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
@@ -309,7 +300,7 @@ class Generator:
         if not self.cost_profile:
             return CostProfile()
         profile = CostProfile.from_dict(self.cost_profile)
-        if drafter == "ngram":
+        if not needs_draft_model(drafter):
             profile.draft_token_s = 0.0  # a lookup costs microseconds
             profile.draft_catchup_token_s = 0.0
         return profile
@@ -412,11 +403,12 @@ class Generator:
                 if reason == "context":
                     result.message = (f"reached max_context ({self.max_context} tokens: prompt "
                                       f"{len(ids)} + {len(state.tokens)} generated)")
-                if controller is not None and hasattr(controller, "mode_s"):
-                    result.stats.mode_s = dict(controller.mode_s)
-                    result.stats.catchup_deferred = controller.catchup_deferred
-                    if controller.observed:  # keyed like _profiles: the drafter's name
-                        self._acceptance[drafter.name] = (list(controller.alpha), controller.observed)
+                if controller is not None:
+                    learned = controller.snapshot()
+                    result.stats.mode_s = dict(learned.mode_s)
+                    result.stats.catchup_deferred = learned.catchup_deferred
+                    if learned.observed:  # keyed like _profiles: the drafter's name
+                        self._acceptance[drafter.name] = (list(learned.acceptance), learned.observed)
                 if reason != "cancelled":
                     self.reply_lengths.record(len(state.tokens), finished=reason in ("stop", "stop_string"))
         if tail:

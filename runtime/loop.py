@@ -34,7 +34,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..engines.base import Engine, KVCache
-from .drafters import Drafter
+from .controller import Controller
+from .drafting import Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .verify import NEAR_TIE_GAP, Proposal, verify
@@ -86,7 +87,7 @@ class _Run:
 
     def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-                 drafter: Drafter | None, controller, result: LoopResult,
+                 drafter: Drafter | None, controller: Controller | None, result: LoopResult,
                  stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP,
                  max_latency_s: float | None = None,
                  horizon: Callable[[int, int], float] | None = None) -> None:
@@ -168,8 +169,7 @@ class _Run:
             return 0
         if self.carry is not None:
             return min(len(self.carry.tokens), limit)
-        pending = getattr(self.drafter, "pending_tokens", None)
-        catchup = pending(self.history) if pending is not None else 0  # the list itself: no O(context) copy
+        catchup = self.drafter.pending_tokens(self.history)  # the list itself: no O(context) copy
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
             self.horizon(generated, self.max_new_tokens - generated)
@@ -200,8 +200,8 @@ class _Run:
         if self.controller is not None:
             # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
             # one-off, not a per-token draft cost: keep it out of the controller's estimate of c.
-            catchup = getattr(self.drafter, "catchup_s", 0.0) if drafted else 0.0
-            catchup_tokens = getattr(self.drafter, "catchup_tokens", 0) if drafted else 0
+            catchup = self.drafter.catchup_s if drafted else 0.0
+            catchup_tokens = self.drafter.catchup_tokens if drafted else 0
             stats.catchup_s += catchup
             stats.catchup_tokens += catchup_tokens
             self.controller.observe(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s,
@@ -277,7 +277,7 @@ class _Run:
 
 def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-        drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
+        drafter: Drafter | None = None, controller: Controller | None = None, result: LoopResult | None = None,
         mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
         near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None,
         horizon: Callable[[int, int], float] | None = None) -> Iterator[list[int]]:
@@ -297,7 +297,7 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     result = result if result is not None else LoopResult()
     stats = result.stats
     stats.prompt_tokens = len(prompt)
-    stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
+    stats.drafter = drafter.name if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
                  drafter, controller, result, stop, near_tie, max_latency_s, horizon)
 

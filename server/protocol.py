@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ChatTemplateError, ContextOverflowError, InvalidParameterError, SpecedgeError
-from ..manifest import DRAFTERS
+from ..runtime.drafters import DRAFTER_CHOICES, needs_draft_model
 from ..runtime.generator import GenerationConfig, GenerationResult
 from .worker import ShuttingDown
 
@@ -225,9 +225,10 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
                                                          where="specedge.allow_special_tokens")}
     drafter = ext.get("drafter")
     if drafter is not None:
-        if drafter not in DRAFTERS:
-            raise _bad("specedge.drafter", f"specedge.drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
-        if drafter in ("model", "composite") and not has_draft:
+        if drafter not in DRAFTER_CHOICES:
+            raise _bad("specedge.drafter", f"specedge.drafter must be one of {', '.join(DRAFTER_CHOICES)}; "
+                       f"got {drafter!r}")
+        if needs_draft_model(drafter) and not has_draft:
             raise _bad("specedge.drafter", f"drafter {drafter!r} needs a draft model, and none is loaded")
         out["drafter"] = drafter
     draft_tokens = _int(ext, "draft_tokens", minimum=0, where="specedge.draft_tokens")
