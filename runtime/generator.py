@@ -29,16 +29,16 @@ from ..errors import BundleError, ContextOverflowError, InvalidParameterError, S
 from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
 from . import loop
 from . import profile as cost_profile
-from .controller import AdaptiveK, Controller, CostProfile, FixedK
+from . import costs as step_costs
+from .controller import AdaptiveK, Controller, FixedK
+from .costs import CostModel
 from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, ModelDrafter, needs_draft_model
 from .horizon import ReplyLengths
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .text import StreamDecoder, TextCodec
 from .verify import near_tie_gap
-
-
-DEFAULT_DRAFT_WINDOW = 64
+from .model_drafter import DEFAULT_DRAFT_WINDOW
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,7 @@ class GenerationConfig:
     allow_special_tokens: bool = False
     mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
     max_latency_s: float | None = None  # cap k so each block commits within this (None = no cap)
-    # The draft model catches up on at most this many unseen tokens at once (its prompt prefill):
-    # longer history is bridged to the first 4 + the most recent tokens. Why 64: it holds the
-    # last user turn and the start of the reply, which is what a draft's next-token guess leans
-    # on, while a catch-up token costs about a third of a draft step (0.30-0.34 measured on a
-    # 2-core AVX2 EPYC), so 64 tokens cost ~20 draft steps where a 300-token prompt cost ~100.
+    # The draft model catches up on at most this many unseen tokens at once (see DEFAULT_DRAFT_WINDOW);
     # None = read everything (slower start, best acceptance).
     draft_window: int | None = DEFAULT_DRAFT_WINDOW
 
@@ -173,7 +169,7 @@ class Generator:
         variance = manifest.extra.get("batch_variance", {}).get("target")
         self.near_tie_gap = near_tie_gap(manifest.target.precision,
                                          variance if isinstance(variance, (int, float)) else None)
-        self._profiles: dict[str, CostProfile] = {}  # learned step costs per drafter, kept across calls
+        self._profiles: dict[str, CostModel] = {}  # learned step costs per drafter, kept across calls
         # Learned per-position acceptance per drafter, kept across calls: a deployment's drafts meet
         # similar text from one reply to the next, so the next reply's first (costly) catch-up is
         # judged on what drafting achieved last time rather than on an optimistic prior.
@@ -282,28 +278,25 @@ class Generator:
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
+        costs = self._costs_for(name)
         if adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
-            profile = self._profiles.get(name)
-            if profile is None:
-                profile = self._profiles[name] = self._initial_profile(name)
             alpha, observed = self._acceptance.get(name, (None, 0))
-            controller = AdaptiveK(max_k, profile=profile, start_k=config.draft_tokens or spec.draft_tokens,
+            controller = AdaptiveK(max_k, costs=costs, start_k=config.draft_tokens or spec.draft_tokens,
                                    acceptance=alpha, observed=observed)
         else:
             k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
             controller = FixedK(k)
         return drafter, controller
 
-    def _initial_profile(self, drafter: str) -> CostProfile:
-        """Start the adaptive controller from the measured profile, so the first steps run the right k."""
-        if not self.cost_profile:
-            return CostProfile()
-        profile = CostProfile.from_dict(self.cost_profile)
-        if not needs_draft_model(drafter):
-            profile.draft_token_s = 0.0  # a lookup costs microseconds
-            profile.draft_catchup_token_s = 0.0
-        return profile
+    def _costs_for(self, drafter: str) -> CostModel:
+        """The drafter's learned step costs, started from the measured profile so the first steps run the right k."""
+        costs = self._profiles.get(drafter)
+        if costs is None:
+            costs = self._profiles[drafter] = (
+                CostModel.from_dict(self.cost_profile, uses_draft_model=needs_draft_model(drafter))
+                if self.cost_profile else CostModel())
+        return costs
 
     def _check_not_reentered(self) -> None:
         if self._owner == threading.get_ident():
@@ -326,7 +319,7 @@ class Generator:
         """
         self._check_not_reentered()
         with self._lock:
-            profile = cost_profile.measure(self.target, self.draft, threads=self.threads, context=context,
+            profile = step_costs.measure(self.target, self.draft, threads=self.threads, context=context,
                                            max_verify=self.manifest.speculation.max_draft_tokens + 1)
         self.cost_profile = profile
         self._profiles.clear()
@@ -380,7 +373,8 @@ class Generator:
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
                               result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,
                               max_latency_s=config.max_latency_s,
-                              horizon=self.reply_lengths.expected_remaining)
+                              horizon=self.reply_lengths.expected_remaining,
+                              costs=None if drafter is None else self._costs_for(drafter.name))
             try:
                 for _ in blocks:
                     result.text = decoder.text

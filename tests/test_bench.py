@@ -96,13 +96,6 @@ def test_fit_acceptance_recovers_an_iid_rate():
     assert math.isnan(metrics.fit_acceptance([], []))
 
 
-def test_first_divergence_index():
-    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert metrics.first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2  # stopped early
-    assert metrics.first_divergence([], [7]) == 0
-
-
 def _run(config: str, tokens: list[int], *, round_: int = 0, near_ties: int = 0, workload: str = "w") -> RunRecord:
     return RunRecord(workload=workload, category="code", config=config, round=round_, tokens=tokens,
                      token_times_s=[0.1 * i for i in range(len(tokens))], tokens_per_s=10.0, new_tokens=len(tokens),

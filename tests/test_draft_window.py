@@ -19,7 +19,7 @@ import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.export.bundle import ExportConfig, export_bundle
-from specedge.runtime.controller import CostProfile
+from specedge.runtime.costs import CostModel
 from specedge.runtime.drafters import CompositeDrafter, ModelDrafter, NGramDrafter
 from specedge.runtime.horizon import ReplyLengths
 from specedge.runtime.generator import GenerationConfig, Generator
@@ -170,7 +170,7 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         # A nearly flat verify and a free draft step (speculation pays from the first step at the
         # prior acceptance), but a catch-up token costs 1 s.
         flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
-        gen._profiles["model"] = CostProfile(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
+        gen._profiles["model"] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
         gen.reply_lengths = ReplyLengths()
         out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=None, adaptive=True)
         assert out.token_ids == baseline

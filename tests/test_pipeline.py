@@ -83,6 +83,8 @@ class AlwaysWrong:
     """Knows the baseline and proposes a wrong first token every block."""
 
     name = "always-wrong"
+    catchup_s = 0.0  # the Drafter contract's catch-up accounting: it reads nothing
+    catchup_tokens = 0
 
     def __init__(self, baseline, prompt_len, vocab):
         self.baseline, self.prompt_len, self.vocab = baseline, prompt_len, vocab
@@ -98,6 +100,9 @@ class AlwaysWrong:
 
     def accept(self, history, n_accepted):
         assert n_accepted == 0
+
+    def pending_tokens(self, history):
+        return 0
 
 
 @pytest.mark.parametrize("mode", ["sequential", "pipelined"])
