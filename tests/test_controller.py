@@ -211,9 +211,10 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
 def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(self_spec_bundle, load_generator):
     gen = load_generator(self_spec_bundle)
     gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # adaptive, the bundle default
-    assert len(gen.reply_lengths) >= 1 and gen._acceptance and gen._profiles
+    memory = gen.memory
+    assert len(memory.reply_lengths) >= 1 and memory.acceptance and memory.costs
     gen.forget_replies()
-    assert len(gen.reply_lengths) == 0 and not gen._acceptance and gen._profiles
+    assert len(memory.reply_lengths) == 0 and not memory.acceptance and memory.costs
 
 
 def test_a_marginal_predicted_gain_stays_plain():
