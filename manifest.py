@@ -49,7 +49,9 @@ _HASH_CHUNK = 1 << 20
 # Integer fields are counts and sizes: anything past int64 is garbage, and past ~4300 digits
 # Python cannot even print it (str(int) raises ValueError), so it is refused before any message.
 _MAX_INT_BITS = 63
-_MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
+MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
+# The largest draft length a bundle may declare: a verify of 65 tokens is far past any measured gain.
+MAX_DRAFT_TOKENS = 64
 # Error messages quote untrusted values: bounded in nesting and length (a plain repr() of a
 # 5000-deep list raises RecursionError).
 _REPR = reprlib.Repr()
@@ -274,8 +276,8 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         raise ManifestError(f"manifest field '{where}' must be an object")
     ints = {k: _positive(_get(obj, k, where, int), f"{where}.{k}")
             for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context")}
-    if ints["max_context"] > _MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
-        raise ManifestError(f"manifest field '{where}.max_context' must be <= {_MAX_CONTEXT}, "
+    if ints["max_context"] > MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
+        raise ManifestError(f"manifest field '{where}.max_context' must be <= {MAX_CONTEXT}, "
                             f"got {ints['max_context']}")
     if ints["n_heads"] % ints["n_kv_heads"]:
         raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
@@ -365,8 +367,9 @@ def parse_manifest(obj: Any) -> Manifest:
     spec = _get(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
     max_draft = _get(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
-    if not 1 <= max_draft <= 64:
-        raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, 64], got {max_draft}")
+    if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
+        raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, {MAX_DRAFT_TOKENS}], "
+                            f"got {max_draft}")
     draft_tokens = _get(spec, "draft_tokens", "speculation", int, optional=True, default=min(defaults.draft_tokens,
                                                                                             max_draft))
     if not 0 <= draft_tokens <= max_draft:

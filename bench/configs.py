@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import InvalidParameterError
 from ..runtime.drafters import DRAFTERS, needs_draft_model
 from ..runtime.loop import MODES
+from ..runtime.options import check
 
 SPEC_DRAFTERS = tuple(DRAFTERS)  # the registry's drafters, in its order
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
@@ -41,17 +42,13 @@ class BenchConfig:
 
     def generation_config(self, max_new_tokens: int, chat: bool = True):
         """The GenerationConfig for this configuration (greedy: outputs must equal the baseline's)."""
-        from ..runtime.generator import DEFAULT_DRAFT_WINDOW, GenerationConfig
+        from ..runtime.options import GenerationConfig
 
         if not self.speculative:
             return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat)
-        window = DEFAULT_DRAFT_WINDOW if self.draft_window == -1 else self.draft_window
-        if self.adaptive:
-            return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat,
-                                    mode=self.mode, draft_window=window)
-        return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat, mode=self.mode,
-                                draft_window=window)
+        window = {} if self.draft_window == -1 else {"draft_window": self.draft_window}
+        return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, draft_tokens=self.draft_tokens,
+                                adaptive=self.adaptive, chat=chat, mode=self.mode, **window)
 
 
 def parse_config_name(name: str) -> BenchConfig:
@@ -67,9 +64,8 @@ def parse_config_name(name: str) -> BenchConfig:
         raise InvalidParameterError(f"{name!r}: a fixed draft length must be >= 1 (k=0 is the baseline)")
     window: int | None = -1
     if m.group(5) is not None:
-        window = int(m.group(5)) or None
-        if window is not None and window <= 4:
-            raise InvalidParameterError(f"{name!r}: a draft window must be > 4 tokens (-w0 = the whole history)")
+        window = check("draft_window", int(m.group(5)) or None, where=f"{name!r}: the draft window (-w0 = the whole "
+                       "history)")
     return BenchConfig(name, drafter, int(k) if k is not None else None, mode, window)
 
 

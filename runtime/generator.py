@@ -18,11 +18,12 @@ runs while its distribution stays the target's.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -32,74 +33,13 @@ from . import costs as step_costs
 from . import loop
 from . import profile as cost_profile
 from .controller import AdaptiveK, Controller, FixedK
-from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, ModelDrafter, needs_draft_model
+from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
-from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .text import StreamDecoder
 from .verify import near_tie_gap
-from .model_drafter import DEFAULT_DRAFT_WINDOW
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Per-call settings. ``None`` means "the bundle's default"."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
-    speculation: bool = True  # False = plain decoding, the baseline
-    drafter: str | None = None  # none | model | ngram | composite
-    draft_tokens: int | None = None  # fixed k; None = bundle default (adaptive or its draft_tokens)
-    adaptive: bool | None = None  # adaptive k (the cost model); None = bundle default
-    p_min: float = 0.0  # stop drafting when the draft's top probability is below this
-    max_ngram: int = 3  # n-gram drafter: longest suffix to match
-    # n-gram drafter: shortest suffix to match. 2, not 1: a single repeated token predicts the next
-    # one badly (measured acceptance 0.0-0.2 on chat and voice replies), below the break-even
-    # v(2) - 1 = 0.1-0.35 of a verify step, so 1-token matches only slowed decoding down.
-    min_ngram: int = 2
-    chat: bool = True  # wrap a plain prompt in the chat template when the bundle has one
-    # Control-token text inside chat messages ("<|im_end|>") becomes control tokens. Off: it is
-    # encoded as plain text, as the OpenAI API does, so user text cannot forge a system turn.
-    allow_special_tokens: bool = False
-    mode: str = "sequential"  # sequential | pipelined (verify-while-draft) | auto (measured per step)
-    max_latency_s: float | None = None  # cap k so each block commits within this (None = no cap)
-    # The draft model catches up on at most this many unseen tokens at once (see DEFAULT_DRAFT_WINDOW);
-    # None = read everything (slower start, best acceptance).
-    draft_window: int | None = DEFAULT_DRAFT_WINDOW
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise InvalidParameterError(f"max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
-        if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
-            raise InvalidParameterError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}; got {self.drafter!r}")
-        if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
-                                              or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
-            raise InvalidParameterError(f"draft_tokens must be an integer >= 0; got {self.draft_tokens!r}")
-        if not 0.0 <= self.p_min < 1.0:
-            raise InvalidParameterError(f"p_min must be in [0, 1); got {self.p_min!r}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got "
-                                        f"{self.min_ngram}, {self.max_ngram}")
-        if self.max_latency_s is not None and not (isinstance(self.max_latency_s, (int, float))
-                                                   and self.max_latency_s > 0):
-            raise InvalidParameterError(f"max_latency_s must be a number > 0 (seconds) or None; "
-                                        f"got {self.max_latency_s!r}")
-        ModelDrafter.check_window(self.draft_window)
-        if self.mode not in loop.MODES:
-            raise InvalidParameterError(f"mode must be one of {', '.join(loop.MODES)}; got {self.mode!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        self.sampling  # validates temperature / top_k / top_p / seed
-
-    @property
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
+from .options import GenerationConfig
 
 
 @dataclass
@@ -152,6 +92,32 @@ class TextStream:
         self.close()
 
 
+def _check_text(text, where: str) -> None:
+    """Refuse what is not a str, or not encodable text: a lone surrogate (how Python carries
+    undecodable bytes, e.g. from a non-UTF-8 argv or a JSON "\\ud800" escape) has no UTF-8 form."""
+    if not isinstance(text, str):
+        raise InvalidParameterError(f"{where} must be a string; got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameterError(f"{where} is not valid text: it holds a lone surrogate at index {exc.start} "
+                                    "(invalid UTF-8 in the input?)") from None
+
+
+def _checked_messages(messages) -> list[dict]:
+    """``messages``: a non-empty list of {"role": str, "content": str} (more keys are passed on)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidParameterError(f"messages must be a non-empty list of {{role, content}} objects; got "
+                                    f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidParameterError(f"messages[{i}] must be an object with role and content; got "
+                                        f"{type(m).__name__}")
+        _check_text(m.get("role"), f"messages[{i}].role")
+        _check_text(m.get("content"), f"messages[{i}].content")
+    return list(messages)
+
+
 class Generator:
     """The call path over a loaded bundle: encode, build the drafter, run the loop under the lock,
     map the outcome. Loading is :mod:`.loading`; what is learned across replies, :attr:`memory`."""
@@ -202,16 +168,21 @@ class Generator:
         if given != 1:
             raise InvalidParameterError("pass exactly one of prompt, messages or input_ids")
         if input_ids is not None:
+            if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence) and \
+                    not isinstance(input_ids, np.ndarray):
+                raise InvalidParameterError(f"input_ids must be a list of token ids; got {type(input_ids).__name__}")
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in input_ids):
+                bad = next(t for t in input_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+                raise InvalidParameterError(f"input_ids must hold integers (token ids); got {bad!r}")
             ids = [int(t) for t in input_ids]
             bad = [t for t in ids if not 0 <= t < self.manifest.target.vocab_size]
             if bad:
                 raise InvalidParameterError(f"input_ids holds ids outside [0, {self.manifest.target.vocab_size}): "
                                             f"{bad[:5]}")
         elif messages is not None:
-            ids = self.codec.encode_chat(messages, allow_special_tokens=allow_special_tokens)
+            ids = self.codec.encode_chat(_checked_messages(messages), allow_special_tokens=allow_special_tokens)
         else:
-            if not isinstance(prompt, str):
-                raise InvalidParameterError(f"prompt must be a string; got {type(prompt).__name__}")
+            _check_text(prompt, "prompt")
             if chat and self.codec.chat_template:
                 ids = self.codec.encode_chat([{"role": "user", "content": prompt}],
                                              allow_special_tokens=allow_special_tokens)

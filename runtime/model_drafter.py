@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..engines.base import Engine
-from ..errors import InvalidParameterError
 from .sampling import SamplingConfig, sample, warp
 from .drafting import DraftModel
 from .verify import Proposal
@@ -80,11 +79,11 @@ class ModelDrafter:
 
     @classmethod
     def check_window(cls, window: int | None) -> None:
-        """Refuse a draft window that could not hold the sink tokens plus one recent token."""
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window <= cls.SINK_TOKENS):
-            raise InvalidParameterError(f"draft_window must be an integer > {cls.SINK_TOKENS} (tokens) or None; "
-                                        f"got {window!r}")
+        """Refuse a draft window that could not hold the sink tokens plus one recent token
+        (the bound is the draft_window option's, in runtime/options.py)."""
+        from .options import check  # options imports this module
+
+        check("draft_window", window)
 
     def begin(self, prompt: np.ndarray) -> None:
         # The draft's prefill is deferred to the first propose(): when the controller never

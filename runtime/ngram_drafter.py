@@ -27,7 +27,11 @@ class NGramDrafter:
     catchup_tokens = 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
+        from .options import check  # options imports the drafters
+
+        check("min_ngram", min_ngram)
+        check("max_ngram", max_ngram)  # one dict per n: the option's bound keeps memory bounded
+        if not min_ngram <= max_ngram:
             raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram

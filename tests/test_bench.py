@@ -418,11 +418,11 @@ def test_peer_runs_restore_the_omp_wait_policy(monkeypatch):
 
 def test_draft_window_suffix_names_a_window():
     """``-w<N>`` sets the draft window (``-w0``: the whole history); without it, the runtime default."""
-    from specedge.runtime.generator import DEFAULT_DRAFT_WINDOW
+    from specedge.runtime.model_drafter import DEFAULT_DRAFT_WINDOW
 
     assert parse_config_name("model-adaptive-w0").generation_config(16).draft_window is None
     assert parse_config_name("model-k2-w16").generation_config(16).draft_window == 16
     assert parse_config_name("composite-k2-pipelined-w32").mode == "pipelined"
     assert parse_config_name("model-k2").generation_config(16).draft_window == DEFAULT_DRAFT_WINDOW
-    with pytest.raises(InvalidParameterError, match="a draft window must be > 4 tokens"):
+    with pytest.raises(InvalidParameterError, match=r"'model-k2-w3': the draft window \(-w0 = the whole history\) must be an integer in \(4, "):
         parse_config_name("model-k2-w3")
