@@ -488,6 +488,7 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
     ({"specedge": {"draft_window": 3}}, "specedge.draft_window"),  # the option's bound: > 4 (0 = None)
     ({"specedge": {"speculation": "no"}}, "specedge.speculation"),
     ({"stop": [1]}, "stop"),
+    ({"messages": [{"role": "user", "content": "caf\udce9"}]}, "messages"),  # a lone surrogate: 400, not 500
     ({"seed": 2 ** 70}, "seed"),
     ({"specedge": {"draft_window": 1.5}}, "specedge.draft_window"),
 ])
