@@ -304,9 +304,9 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         raise ManifestError(f"manifest field '{where}.attention_windows' must list one window per layer "
                             f"({ints['n_layers']}), got {len(windows)}")
     for i, window in enumerate(windows):
-        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= _MAX_CONTEXT:
+        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_CONTEXT:
             raise ManifestError(f"manifest field '{where}.attention_windows[{i}]' must be a window length in "
-                                f"[0, {_MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
+                                f"[0, {MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
     return ModelEntry(
         graph=_relpath(_get(obj, "graph", where, str), f"{where}.graph"),
         architecture=_get(obj, "architecture", where, str),
