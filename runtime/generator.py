@@ -105,16 +105,16 @@ def _check_text(text, where: str) -> None:
 
 
 def _checked_messages(messages) -> list[dict]:
-    """``messages``: a non-empty list of {"role": str, "content": str} (more keys are passed on)."""
+    """``messages`` must be a non-empty list; each message's shape is the codec's to check
+    (TextCodec.render_chat), its text is checked here."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidParameterError(f"messages must be a non-empty list of {{role, content}} objects; got "
                                     f"{type(messages).__name__}")
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise InvalidParameterError(f"messages[{i}] must be an object with role and content; got "
-                                        f"{type(m).__name__}")
-        _check_text(m.get("role"), f"messages[{i}].role")
-        _check_text(m.get("content"), f"messages[{i}].content")
+        if isinstance(m, Mapping):
+            for key in ("role", "content"):
+                if isinstance(m.get(key), str):
+                    _check_text(m[key], f"messages[{i}].{key}")
     return list(messages)
 
 
