@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the registry's names
+    import numpy as np
 
-from .verify import Proposal
-
-if TYPE_CHECKING:  # the options module imports the registry: no import cycle at run time
     from ..engines.base import Engine, KVCache
     from .options import GenerationConfig
+    from .verify import Proposal
 
 
 class Drafter(Protocol):
@@ -44,11 +43,11 @@ class Drafter(Protocol):
         """Tokens that catch-up read (0 when it was the usual 1-2)."""
         ...
 
-    def begin(self, prompt: np.ndarray) -> None: ...
+    def begin(self, prompt: "np.ndarray") -> None: ...
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal: ...
+    def propose(self, history: "np.ndarray", k: int) -> "Proposal": ...
 
-    def accept(self, history: np.ndarray, n_accepted: int) -> None: ...
+    def accept(self, history: "np.ndarray", n_accepted: int) -> None: ...
 
     def pending_tokens(self, history: Sequence[int]) -> int:
         """Tokens the next ``propose(history, k)`` reads before its first draft token (an upper
@@ -62,7 +61,7 @@ class DraftModel:
 
     engine: "Engine"
     cache: "KVCache"  # preallocated once per Generator, reused by every call
-    head_ids: np.ndarray | None  # int64 [head_size]: a vocabulary-truncated head's token ids, else None
+    head_ids: "np.ndarray | None"  # int64 [head_size]: a vocabulary-truncated head's token ids, else None
     vocab_size: int  # the target's vocabulary: p_draft is placed on it
 
 
