@@ -40,7 +40,6 @@ MANIFEST_FILE = "manifest.json"
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
 KV_DTYPES = ("float32", "float16")
-DRAFTERS = ("none", "model", "ngram", "composite")
 # Keys of `extra` the runtime reads (everything else there is informational).
 COST_PROFILE_KEY = "cost_profile"  # measured step costs (runtime/profile.py writes it)
 BATCH_VARIANCE_KEY = "batch_variance"  # role -> max |verify - step| logit difference (export writes it)
@@ -50,7 +49,9 @@ _HASH_CHUNK = 1 << 20
 # Integer fields are counts and sizes: anything past int64 is garbage, and past ~4300 digits
 # Python cannot even print it (str(int) raises ValueError), so it is refused before any message.
 _MAX_INT_BITS = 63
-_MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
+MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
+# The largest draft length a bundle may declare: a verify of 65 tokens is far past any measured gain.
+MAX_DRAFT_TOKENS = 64
 # Error messages quote untrusted values: bounded in nesting and length (a plain repr() of a
 # 5000-deep list raises RecursionError).
 _REPR = reprlib.Repr()
@@ -146,7 +147,7 @@ class TokenizerEntry:
 class SpeculationDefaults:
     """What a bundle runs when the caller does not say otherwise."""
 
-    drafter: str = "model"  # one of DRAFTERS
+    drafter: str = "model"  # one of runtime.drafters.DRAFTER_CHOICES
     draft_tokens: int = 4  # k for fixed-k speculation
     max_draft_tokens: int = 8  # the largest verify is max_draft_tokens + 1 tokens
     adaptive: bool = True  # let the cost model choose k per step (k=0 included)
@@ -275,8 +276,8 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         raise ManifestError(f"manifest field '{where}' must be an object")
     ints = {k: _positive(_get(obj, k, where, int), f"{where}.{k}")
             for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context")}
-    if ints["max_context"] > _MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
-        raise ManifestError(f"manifest field '{where}.max_context' must be <= {_MAX_CONTEXT}, "
+    if ints["max_context"] > MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
+        raise ManifestError(f"manifest field '{where}.max_context' must be <= {MAX_CONTEXT}, "
                             f"got {ints['max_context']}")
     if ints["n_heads"] % ints["n_kv_heads"]:
         raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
@@ -303,9 +304,9 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
         raise ManifestError(f"manifest field '{where}.attention_windows' must list one window per layer "
                             f"({ints['n_layers']}), got {len(windows)}")
     for i, window in enumerate(windows):
-        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= _MAX_CONTEXT:
+        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_CONTEXT:
             raise ManifestError(f"manifest field '{where}.attention_windows[{i}]' must be a window length in "
-                                f"[0, {_MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
+                                f"[0, {MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
     return ModelEntry(
         graph=_relpath(_get(obj, "graph", where, str), f"{where}.graph"),
         architecture=_get(obj, "architecture", where, str),
@@ -360,11 +361,15 @@ def parse_manifest(obj: Any) -> Manifest:
         add_bos_token=_get(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
     )
 
+    # The drafter registry names the drafters; imported here, not at the top: the runtime imports this module.
+    from .runtime.drafters import DRAFTER_CHOICES, needs_draft_model
+
     spec = _get(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
     max_draft = _get(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
-    if not 1 <= max_draft <= 64:
-        raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, 64], got {max_draft}")
+    if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
+        raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, {MAX_DRAFT_TOKENS}], "
+                            f"got {max_draft}")
     draft_tokens = _get(spec, "draft_tokens", "speculation", int, optional=True, default=min(defaults.draft_tokens,
                                                                                             max_draft))
     if not 0 <= draft_tokens <= max_draft:
@@ -372,12 +377,12 @@ def parse_manifest(obj: Any) -> Manifest:
                             f" got {draft_tokens}")
     speculation = SpeculationDefaults(
         drafter=_choice(_get(spec, "drafter", "speculation", str, optional=True,
-                             default="model" if draft else "ngram"), DRAFTERS, "speculation.drafter"),
+                             default="model" if draft else "ngram"), DRAFTER_CHOICES, "speculation.drafter"),
         draft_tokens=draft_tokens,
         max_draft_tokens=max_draft,
         adaptive=_get(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
     )
-    if speculation.drafter in ("model", "composite") and draft is None:
+    if needs_draft_model(speculation.drafter) and draft is None:
         raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
                             "no models.draft")
 

@@ -4,7 +4,7 @@ Names: ``baseline`` (plain decoding through the same engine), ``baseline-1row`` 
 decoding with 1-row steps: not exact, see engines/invariant.py; comparing it with
 ``baseline`` measures what exactness costs), ``<drafter>-k<k>``
 (fixed draft length) and ``<drafter>-adaptive`` (the cost model picks k per step,
-0 included), with drafter one of model, ngram, composite; a ``-pipelined`` or ``-auto``
+0 included), with drafter one of the registry's (runtime/drafters.py); a ``-pipelined`` or ``-auto``
 suffix runs verify-while-draft (or the measured choice between it and sequential steps),
 and a ``-w<N>`` suffix sets the draft window (``-w0``: the draft reads the whole prompt).
 """
@@ -15,12 +15,16 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidParameterError
+from ..runtime.drafters import DRAFTERS, needs_draft_model
+from ..runtime.loop import MODES
+from ..runtime.options import check
 
-SPEC_DRAFTERS = ("model", "ngram", "composite")
+SPEC_DRAFTERS = tuple(DRAFTERS)  # the registry's drafters, in its order
 DEFAULT_K_SWEEP = (2, 4, 6, 8)
 BASELINE = "baseline"
 BASELINE_ONE_ROW = "baseline-1row"  # plain decoding without batch-invariant steps (GenerationConfig.exact=False)
-_NAME = re.compile(r"^(model|ngram|composite)-(adaptive|k(\d+))(?:-(pipelined|auto))?(?:-w(\d+))?$")
+_NAME = re.compile(rf"^({'|'.join(map(re.escape, SPEC_DRAFTERS))})-(adaptive|k(\d+))"
+                   rf"(?:-({'|'.join(m for m in MODES if m != 'sequential')}))?(?:-w(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,13 @@ class BenchConfig:
 
     def generation_config(self, max_new_tokens: int, chat: bool = True):
         """The GenerationConfig for this configuration (greedy: outputs must equal the baseline's)."""
-        from ..runtime.generator import DEFAULT_DRAFT_WINDOW, GenerationConfig
+        from ..runtime.options import GenerationConfig
 
         if not self.speculative:
             return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat, exact=self.exact)
-        window = DEFAULT_DRAFT_WINDOW if self.draft_window == -1 else self.draft_window
-        if self.adaptive:
-            return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, adaptive=True, chat=chat,
-                                    mode=self.mode, draft_window=window)
-        return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                draft_tokens=self.draft_tokens, adaptive=False, chat=chat, mode=self.mode,
-                                draft_window=window)
+        window = {} if self.draft_window == -1 else {"draft_window": self.draft_window}
+        return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, draft_tokens=self.draft_tokens,
+                                adaptive=self.adaptive, chat=chat, mode=self.mode, **window)
 
 
 def parse_config_name(name: str) -> BenchConfig:
@@ -70,9 +70,8 @@ def parse_config_name(name: str) -> BenchConfig:
         raise InvalidParameterError(f"{name!r}: a fixed draft length must be >= 1 (k=0 is the baseline)")
     window: int | None = -1
     if m.group(5) is not None:
-        window = int(m.group(5)) or None
-        if window is not None and window <= 4:
-            raise InvalidParameterError(f"{name!r}: a draft window must be > 4 tokens (-w0 = the whole history)")
+        window = check("draft_window", int(m.group(5)) or None, where=f"{name!r}: the draft window (-w0 = the whole "
+                       "history)")
     return BenchConfig(name, drafter, int(k) if k is not None else None, mode, window)
 
 
@@ -102,7 +101,7 @@ def expand_configs(spec: str | None, *, has_draft: bool, max_draft_tokens: int,
             continue
         seen.add(name)
         config = parse_config_name(name)
-        if config.drafter in ("model", "composite") and not has_draft:
+        if needs_draft_model(config.drafter) and not has_draft:
             no_draft.append(name)
             continue
         if config.draft_tokens is not None and config.draft_tokens > max_draft_tokens:

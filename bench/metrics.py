@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..runtime import costs
+
 
 def median(values: Iterable[float]) -> float:
     """Median of the values; NaN for an empty input."""
@@ -71,20 +73,6 @@ def block_gaps(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(distinct, distinct[1:])]
 
 
-# ----------------------------------------------------------------------------- correctness
-def first_divergence(reference: Sequence[int], candidate: Sequence[int]) -> int | None:
-    """Index of the first token where two outputs differ, None when they are identical.
-
-    A strict prefix counts as a divergence at the shorter length (one output stopped early).
-    """
-    for i, (a, b) in enumerate(zip(reference, candidate)):
-        if a != b:
-            return i
-    if len(reference) != len(candidate):
-        return min(len(reference), len(candidate))
-    return None
-
-
 # ----------------------------------------------------------------------------- the analytical bound
 def leviathan_speedup(a: float, k: int, c: float, v: float) -> float:
     """Leviathan et al. (2023), Thm 3.8 with a measured verify cost.
@@ -101,10 +89,9 @@ def leviathan_speedup(a: float, k: int, c: float, v: float) -> float:
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens committed by a step drafting k tokens: ``(1 - a^(k+1)) / (1 - a)``."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    """Expected tokens committed by a step drafting k tokens at i.i.d. acceptance a:
+    ``(1 - a^(k+1)) / (1 - a)`` (the runtime's per-position formula with a at every position)."""
+    return costs.expected_tokens([a] * k, k)
 
 
 def predicted_speedup(a: float, k_steps: dict[int, int], c: float, v: dict[int, float]) -> float:

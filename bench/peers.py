@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.divergence import first_divergence
 from . import metrics
 from .configs import BASELINE
 
@@ -528,7 +529,7 @@ def summarise(peer_runs: list[PeerRun], jobs: list[Job], best: dict) -> dict:
         for category in categories:
             runs = [r for r in peer_runs if r.config == config and r.category == category]
             first = {r.workload: r for r in runs if r.round == 0}
-            divergence = {w: metrics.first_divergence(by_job[w].reference, r.tokens) for w, r in first.items()}
+            divergence = {w: first_divergence(by_job[w].reference, r.tokens) for w, r in first.items()}
             theirs = _median_tps_per_prompt(runs, config)
             in_cat = {j.workload for j in jobs if j.category == category}
             tps = [r.tokens_per_s for r in runs if r.tokens_per_s > 0]

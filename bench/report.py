@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from ..errors import InvalidParameterError
-from .configs import BASELINE, BASELINE_ONE_ROW
+from .configs import BASELINE, BASELINE_ONE_ROW, SPEC_DRAFTERS
 from .runner import SCHEMA, SCHEMA_VERSION
 
 DEFINITIONS = """\
@@ -312,7 +312,7 @@ def plot(doc: dict, path: Path) -> Path:
     except ImportError:
         raise InvalidParameterError("--plot needs matplotlib: pip install 'specedge[plot]'") from None
     doc = clean(doc)
-    drafters = [d for d in ("model", "ngram", "composite")
+    drafters = [d for d in SPEC_DRAFTERS
                 if any(n.startswith(d + "-") for n in doc["settings"]["configs"])]
     if not drafters:
         raise InvalidParameterError("--plot needs at least one speculative configuration")

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..runtime.costs import time_forward
+from ..runtime.divergence import first_divergence
 from . import metrics
 from .configs import BASELINE, BASELINE_ONE_ROW, DEFAULT_K_SWEEP, BenchConfig, expand_configs
 from .progress import Progress
@@ -204,27 +206,20 @@ class StepCosts:
         self.v: dict[int, list[float]] = {n - 1: [] for n in self.lengths}
         self.c: list[float] = []
 
-    def _time(self, engine, cache, ids: np.ndarray) -> float:
-        t0 = time.perf_counter()
-        engine.forward(ids, cache, num_logits=len(ids))
-        dt = time.perf_counter() - t0
-        cache.rewind(len(ids))
-        return dt
-
     def sample(self, reps: int) -> None:
         gen = self.gen
         engines = [(gen.target, gen.target_kv)] + ([(gen.draft, gen.draft_kv)] if gen.draft is not None else [])
         for engine, cache in engines:
             cache.reset()
             engine.forward(self.prompt, cache, num_logits=1)
-        self._time(gen.target, gen.target_kv, self.step_ids[1])  # the first step after a prefill is slower
+        time_forward(gen.target, gen.target_kv, self.step_ids[1])  # the first step after a prefill is slower
         for _ in range(reps):
-            row = {n: self._time(gen.target, gen.target_kv, self.step_ids[n]) for n in self.lengths}
+            row = {n: time_forward(gen.target, gen.target_kv, self.step_ids[n]) for n in self.lengths}
             for n, dt in row.items():
                 self.target[n].append(dt)
                 self.v[n - 1].append(dt / row[1])
             if gen.draft is not None:
-                dt = self._time(gen.draft, gen.draft_kv, self.step_ids[1])
+                dt = time_forward(gen.draft, gen.draft_kv, self.step_ids[1])
                 self.draft.append(dt)
                 self.c.append(dt / row[1])
         for _, cache in engines:
@@ -358,7 +353,7 @@ def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:
         ref = reference.get(r.workload)
         if ref is None or r is ref:
             continue
-        index = metrics.first_divergence(ref.tokens, r.tokens)
+        index = first_divergence(ref.tokens, r.tokens)
         if index is None:
             continue
         near_tie = quantized and r.near_ties > 0

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .metrics import leviathan_speedup
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,6 @@ DRAFTS = [
 ]
 
 
-def leviathan(a: float, k: int, c: float, v: float) -> float:
-    """Expected speedup of k-token speculation at per-token acceptance a (Leviathan et al. 2023)."""
-    if k == 0:
-        return 1.0
-    tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (k * c + v)
-
-
 def build(loaded, variant: GraphVariant, folder: Path, max_context: int, head_ids=None):
     """Write one variant's graph; return (ModelEntry, graph path)."""
     from ..export.bundle import ExportConfig, _ModelExporter
@@ -75,22 +68,13 @@ def build(loaded, variant: GraphVariant, folder: Path, max_context: int, head_id
 def step_times(entry, graph: Path, threads: int, context: int, max_n: int = 9, repeats: int = 10) -> dict[int, float]:
     from ..engines.base import EngineOptions
     from ..engines.ort import OrtEngine
+    from ..runtime.costs import median_forward
 
     engine = OrtEngine(entry, graph, EngineOptions(intra_op_threads=threads))
     kv = engine.new_cache()
     ids = np.random.default_rng(0).integers(0, entry.vocab_size, context + max_n).astype(np.int64)
     engine.forward(ids[:context], kv, 1)
-    out = {}
-    for n in range(1, max_n + 1):
-        times = []
-        for i in range(repeats + 2):
-            t = time.perf_counter()
-            engine.forward(ids[context:context + n], kv, n)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-            kv.rewind(n)
-        out[n] = float(np.median(times))
-    return out
+    return {n: median_forward(engine, kv, ids[context:context + n], repeats=repeats) for n in range(1, max_n + 1)}
 
 
 def greedy_tokens(entry, graph: Path, prompts: list[list[int]], max_new_tokens: int, threads: int) -> list[list[int]]:
@@ -184,8 +168,8 @@ def run(*, target: str, draft: str, work: Path, threads: int, context: int, max_
     for tname, trow in targets.items():
         for dname, drow in drafts.items():
             c = drow["step_ms"] / trow["step_ms"]
-            best = max(range(0, 9), key=lambda k: leviathan(drow["a"], k, c, trow["v"][k + 1]))
-            speed = leviathan(drow["a"], best, c, trow["v"][best + 1])
+            best = max(range(0, 9), key=lambda k: leviathan_speedup(drow["a"], k, c, trow["v"][k + 1]))
+            speed = leviathan_speedup(drow["a"], best, c, trow["v"][best + 1])
             table.append({"target": tname, "draft": dname, "c": c, "a": drow["a"], "best_k": best,
                           "predicted": speed})
             print(f"| {tname} | {dname} | {trow['step_ms']:.1f} | {trow['v'][5]:.2f} | {trow['v'][9]:.2f} | "

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from ..runtime.drafters import DRAFTERS
+
 QUICK = {"per_category": 1, "max_new_tokens": 16, "repeats": 1, "warmup_tokens": 4, "micro_reps": 3}
 QUICK_K = (4,)
 
@@ -53,7 +55,7 @@ def bench() -> None:
               "--quick: 1).")
 @click.option("--max-new-tokens", type=int, default=None, help="Tokens per generation (default 64; --quick: 16).")
 @click.option("--repeats", type=int, default=None, help="Rounds per prompt (default 3; --quick: 1).")
-@click.option("--configs", default=None, help="Comma list: baseline, model|ngram|composite (its k sweep + "
+@click.option("--configs", default=None, help=f"Comma list: baseline, {'|'.join(DRAFTERS)} (its k sweep + "
               "adaptive), <drafter>-k<k>, <drafter>-adaptive, or all (default); baseline-1row (plain decoding "
               "with 1-row steps, not exact) measures what exactness costs.")
 @click.option("--k-sweep", default=None, help="Fixed k values for a bare drafter name (default 2,4,6,8; "

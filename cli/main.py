@@ -14,6 +14,8 @@ import click
 
 from .. import __version__
 from ..errors import SpecedgeError
+from ..manifest import ATTENTIONS, PRECISIONS
+from .options import config_from, generation_options
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, "
@@ -110,9 +112,9 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--draft", default=None, help="Draft model (same kinds as --target), or 'self-int4' / 'self-int8' "
               "for a quantized copy of the target. Omit for n-gram speculation only.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int4", "int8"]), default="fp32",
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
               show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits).")
-@click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int4", "int8"]), default=None,
+@click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
               help="Draft precision (default: the target's).")
 @click.option("--draft-layers", type=int, default=None,
               help="Self-drafts: keep only the target's first N layers (early exit: a cheaper draft).")
@@ -126,7 +128,7 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
-@click.option("--attention", type=click.Choice(["gqa", "standard"]), default="gqa", show_default=True,
+@click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
@@ -205,39 +207,13 @@ def tune(bundle: Path, threads: int, as_json: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- generate
-def _generation_options(fn):
+def _load_options(fn):
+    from ..engines.base import PROVIDERS
+
     options = [
-        click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate."),
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off."),
-        click.option("--seed", type=int, default=None, help="Sampling seed."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--drafter", type=click.Choice(["none", "model", "ngram", "composite"]), default=None,
-                     help="Override the bundle's drafter."),
-        click.option("--draft-tokens", "-k", type=int, default=None,
-                     help="Fixed draft length k (default: adaptive, which may choose 0 = no speculation)."),
-        click.option("--adaptive/--no-adaptive", default=None, help="Let the cost model choose k per step."),
-        click.option("--p-min", type=float, default=0.0, show_default=True,
-                     help="Stop drafting when the draft's top probability is below this."),
-        click.option("--min-ngram", type=click.IntRange(min=1), default=2, show_default=True,
-                     help="n-gram drafter: shortest repeated suffix that may propose (1-token matches rarely "
-                     "predict the next token)."),
-        click.option("--max-ngram", type=click.IntRange(min=1), default=3, show_default=True,
-                     help="n-gram drafter: longest suffix to match."),
-        click.option("--no-speculation", is_flag=True, help="Plain decoding (the baseline)."),
-        click.option("--max-latency", type=float, default=None,
-                     help="Cap the draft length so each block commits within this many seconds "
-                     "(steady streaming for voice agents)."),
-        click.option("--draft-window", type=click.IntRange(min=0), default=64, show_default=True,
-                     help="Most unseen tokens the draft model reads at once (its prompt prefill): longer "
-                     "history is bridged to its first 4 + most recent tokens, so a long prompt costs the draft "
-                     "little. Output is unchanged; only acceptance can drop. 0 = read everything."),
-        click.option("--mode", type=click.Choice(["sequential", "pipelined", "auto"]), default="sequential",
-                     show_default=True, help="pipelined = verify-while-draft (draft and target run at once); "
-                     "auto = measure both and use the faster."),
-        click.option("--threads", type=int, default=0, show_default=True, help="Threads per session (0 = ORT default)."),
-        click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
+        click.option("--threads", type=int, default=0, show_default=True,
+                     help="Threads per session (0 = ORT default; at most this machine's CPU count)."),
+        click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True),
         click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load."),
     ]
     for option in reversed(options):
@@ -245,24 +221,12 @@ def _generation_options(fn):
     return fn
 
 
-def _config_from(kw: dict):
-    from ..runtime.generator import GenerationConfig
-
-    return GenerationConfig(
-        max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
-        seed=kw["seed"], stop=tuple(kw["stop"]), speculation=not kw["no_speculation"], drafter=kw["drafter"],
-        draft_tokens=kw["draft_tokens"], adaptive=kw["adaptive"], p_min=kw["p_min"], mode=kw["mode"],
-        max_latency_s=kw["max_latency"], draft_window=kw["draft_window"] or None,
-        min_ngram=kw["min_ngram"], max_ngram=kw["max_ngram"],
-        chat=not kw.get("raw", False))
-
-
 def _load(bundle: Path, kw: dict):
     from ..runtime.generator import Generator
 
     return Generator.from_bundle(bundle, provider=kw["provider"], threads=kw["threads"],
                                  verify_checksums=not kw["no_verify_checksums"],
-                                 load_draft=not kw["no_speculation"])
+                                 load_draft=kw["speculation"])
 
 
 def _stats_line(result) -> str:
@@ -277,12 +241,12 @@ def _stats_line(result) -> str:
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, help="The user message (wrapped in the chat template).")
-@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--stream", is_flag=True, help="Print text as each block commits.")
 @click.option("--stats", is_flag=True, help="Print speculation statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids and stats as JSON.")
-@_generation_options
-def generate(bundle: Path, prompt: str, raw: bool, stream: bool, stats: bool, as_json: bool, **kw) -> None:
+@generation_options()
+@_load_options
+def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool, **kw) -> None:
     """Generate a reply from a bundle, speculating whenever it pays.
 
     Greedy output is token-identical to --no-speculation on the same machine, int4
@@ -290,8 +254,7 @@ def generate(bundle: Path, prompt: str, raw: bool, stream: bool, stats: bool, as
     compute the same bits; README: When output is identical). Ctrl-C prints what was
     generated so far.
     """
-    kw["raw"] = raw
-    config = _config_from(kw)
+    config = config_from(kw)
     gen = _load(bundle, kw)
     text_stream = gen.stream(prompt, config=config)
     try:

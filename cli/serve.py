@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from ..engines.base import PROVIDERS
+
 DEFAULT_QUEUE_SIZE = 16  # keep in step with server.app.DEFAULT_QUEUE_SIZE (not imported: starlette may be absent)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -23,9 +25,9 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               help="Requests that may wait while one generates; the next gets 429.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
               help="Larger request bodies get 413.")
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Threads per ONNX Runtime session (0 = ORT default).")
-@click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True)
+@click.option("--threads", type=int, default=0, show_default=True,
+              help="Threads per ONNX Runtime session (0 = ORT default; at most this machine's CPU count).")
+@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True)
 @click.option("--no-speculation", is_flag=True, help="Plain decoding for every request (the baseline); "
               "the draft model is not loaded.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -331,7 +332,7 @@ def _route_cpu_mode(bundle: Path, reference: dict, bandwidth: float | None) -> d
     log = _log(manifest)
     log.watch(target)
     log.watch(draft)
-    gen = Generator(ref.bundle, ref.manifest, ref.codec, target, draft)
+    gen = Generator(replace(ref.loaded, target=target, draft=draft))  # the same bundle on these engines
     result = {"runs": compare_runs(gen, reference), "addresses": log.summary(),
               "timing": timing(target, bundle, None)}
     # Fixed-address steps (what a captured CUDA graph replays) on the default fused-GQA graph, fp32 here.
@@ -356,7 +357,7 @@ def _fixed_address_steps(bundle: Path, options, cuda_graph: bool) -> dict[str, A
     log = _log(manifest)
     for engine in engines:
         log.watch(engine)
-    gen = Generator(reference.bundle, reference.manifest, reference.codec, *engines)
+    gen = Generator(replace(reference.loaded, target=engines[0], draft=engines[1]))
     plain = _tokens(reference, **RUNS["greedy_plain"])
     got = {name: _tokens(gen, **RUNS[name]) for name in ("greedy_plain", "greedy_speculative")}
     return {"cuda_graph": cuda_graph, "equal": all(tokens == plain for tokens in got.values()),

@@ -12,6 +12,7 @@ handed to ONNX Runtime without a copy, and new K/V land in place right after it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,8 +42,14 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
             raise InvalidParameterError(f"provider must be one of {', '.join(PROVIDERS)}; got {self.provider!r}")
-        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
-            raise InvalidParameterError("thread counts must be >= 0 (0 = ONNX Runtime's default)")
+        # More threads than CPUs only contend for them, and ONNX Runtime allocates per thread up
+        # front: 100000 threads crashed it (rc 139) and 2**31 overflowed its binding (TypeError).
+        cpus = os.cpu_count() or 1
+        for name in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= cpus:
+                raise InvalidParameterError(f"thread counts must be integers in [0, {cpus}] (0 = ONNX Runtime's "
+                                            f"default; this machine has {cpus} CPUs); got {name}={value!r}")
         if self.graph_optimization not in GRAPH_OPT_LEVELS:
             raise InvalidParameterError(f"graph_optimization must be one of {', '.join(GRAPH_OPT_LEVELS)}; "
                                         f"got {self.graph_optimization!r}")

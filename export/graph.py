@@ -189,9 +189,6 @@ def _np_to_onnx(dtype: np.dtype) -> int:
     return {np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}[dtype]
 
 
-ATTENTIONS = ("standard", "gqa")
-
-
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: Path, *,
                   dtype: np.dtype = np.float32, untie_lm_head: bool = False, attention: str = "standard",
                   max_context: int = 2048) -> list[Path]:

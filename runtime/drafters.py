@@ -1,317 +1,56 @@
-"""Drafters: cheap proposers of the next k tokens.
+"""Drafters, and the registry that names them.
 
-Every drafter has three methods (as in llama.cpp's common_speculative):
+Adding a drafter is one new module in runtime/ (a class meeting :class:`Drafter` and a
+``build(config, draft)`` function) plus one entry in :data:`DRAFTERS`. The CLI's
+``--drafter`` choices, the server's ``specedge.drafter``, the bench's configuration
+names and the manifest's ``speculation.drafter`` all read their names from it.
 
-- ``begin(prompt)``: a new generation starts; ``prompt`` int64 ``[P]``.
-- ``propose(history, k) -> Proposal``: up to k tokens continuing ``history``
-  (int64 ``[H]``, every committed token, prompt included). May return fewer.
-- ``accept(history, n_accepted)``: the step committed; ``history`` is the new
-  committed sequence, of which the last token came from the target.
-
-A drafter owns its state (a draft model's KV cache, an n-gram index) and never
-touches the target's cache.
+This module imports only the standard library (the manifest reads it, and the manifest
+must load with nothing else installed): each entry names its module, imported when a
+drafter is first built.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Protocol
+import importlib
+from typing import Callable
 
-import numpy as np
-
-from ..engines.base import Engine
-from .sampling import SamplingConfig, sample, warp
-from .verify import Proposal
+from .drafting import DraftModel, Drafter, DrafterSpec
 
 
-class Drafter(Protocol):
-    name: str
+def _built_by(module: str) -> Callable:
+    """The ``build(config, draft)`` of runtime/<module>.py, imported on first use."""
+    def build(config, draft):
+        return importlib.import_module(f"{__package__}.{module}").build(config, draft)
 
-    def begin(self, prompt: np.ndarray) -> None: ...
+    return build
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal: ...
+NO_DRAFTER = "none"  # speculation off: every step is a plain target step
 
-    def accept(self, history: np.ndarray, n_accepted: int) -> None: ...
-
-
-class ModelDrafter:
-    """A draft model through an Engine, with its own KV cache.
-
-    The drafter remembers which token ids its cache holds (``self.cached``, one per
-    cached position). ``propose(history, k)`` first feeds whatever part of ``history``
-    the cache lacks (the target's correction or bonus token, and after a fully accepted
-    block also the last draft token, which was proposed but never fed), then drafts one
-    token per forward. ``accept`` keeps the longest cached prefix that agrees with the
-    committed history and rewinds the rest. Because the rule compares token ids rather
-    than assuming what the last step did, it also holds when the pipelined loop drafted
-    ahead on a guess.
-
-    Bounded catch-up (``window``): feeding a long stretch of history the draft has not
-    seen (its prompt prefill, or tokens committed by plain steps) can cost more than a
-    short reply ever wins back. With a window, such a stretch is bridged instead: the
-    cache keeps its head (at least the first ``SINK_TOKENS`` tokens) and receives only the
-    most recent tokens, so the draft sees ``history[:head] + history[tail:]`` at
-    contiguous positions. RoPE attention depends on relative distance only, so the tail
-    reads as a coherent recent context. The draft then proposes from a shortened
-    context, which can only lower acceptance: every proposal is still verified by the
-    target, so output is unchanged (and in sampling mode ``p_draft`` is the distribution
-    the tokens were really drawn from, which is all the rejection rule needs).
-    """
-
-    name = "model"
-    # Attention sinks: the first tokens of a sequence draw a large share of every head's
-    # attention (Xiao et al. 2023, StreamingLLM); a context that drops them degrades far
-    # more than one that drops the same number of middle tokens. 4 is their measured choice.
-    SINK_TOKENS = 4
-
-    def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
-                 cache=None, head_ids: np.ndarray | None = None, vocab_size: int | None = None,
-                 window: int | None = None) -> None:
-        self.check_window(window)
-        self.engine = engine
-        self.window = window  # most tokens fed to catch up in one go (None = everything)
-        # A vocabulary-truncated draft head scores only head_ids (int64 [head_size]); proposals stay
-        # inside that subset, and p_draft is the head's distribution placed on those ids (zero
-        # elsewhere), which is exactly the distribution the tokens were drawn from.
-        self.head_ids = head_ids
-        self.vocab_size = vocab_size or engine.vocab_size
-        self.sampling = sampling
-        self.p_min = p_min  # stop drafting when the draft's top probability falls below this
-        self.cache = cache if cache is not None else engine.new_cache()
-        self.cached: list[int] = []  # token id at each cached position (len == cache.length)
-        self._verified = 0  # cached[:_verified] is known to be committed history
-        # A bridged gap: cache position p holds history[p] for p < _head, else history[p + _skipped].
-        self._head = 0
-        self._skipped = 0
-        self.catchup_s = 0.0  # time the last propose spent feeding missed history (prefill, probes)
-        self.catchup_tokens = 0  # tokens that feed held (0 when it was the usual 1-2)
-        self.rng = np.random.default_rng(seed)
-        self.last_top_probs: list[float] = []  # confidence of each proposed token, for stats/controllers
-
-    @classmethod
-    def check_window(cls, window: int | None) -> None:
-        """Refuse a draft window that could not hold the sink tokens plus one recent token."""
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window <= cls.SINK_TOKENS):
-            from ..errors import InvalidParameterError
-
-            raise InvalidParameterError(f"draft_window must be an integer > {cls.SINK_TOKENS} (tokens) or None; "
-                                        f"got {window!r}")
-
-    def begin(self, prompt: np.ndarray) -> None:
-        # The draft's prefill is deferred to the first propose(): when the controller never
-        # drafts (speculation does not pay), the draft costs nothing at all.
-        self.cache.reset()
-        self.cached = []
-        self._verified = 0
-        self._head = self._skipped = 0
-
-    def _feed(self, tokens: np.ndarray, logits: bool = True) -> np.ndarray | None:
-        out = self.engine.forward(tokens, self.cache, num_logits=1)[-1]
-        self.cached.extend(int(t) for t in tokens)
-        return out if logits else None
-
-    def _history_index(self, position: int) -> int:
-        return position if position < self._head else position + self._skipped
-
-    def _sync(self, history: np.ndarray) -> None:
-        """Rewind to the longest cached prefix of ``history``, leaving >= 1 token to feed."""
-        limit = max(min(len(self.cached), len(history) - 1 - self._skipped), 0)
-        # Committed history only grows within a generation, so the prefix verified last
-        # time still matches: compare only the tail (O(k) per step, not O(context)).
-        keep = min(self._verified, limit)
-        while keep < limit and self.cached[keep] == history[self._history_index(keep)]:
-            keep += 1
-        if keep <= self._head:
-            self._head = self._skipped = 0  # the bridged gap is gone with what followed it
-        self._verified = keep
-        self._truncate(keep)
-
-    def _truncate(self, keep: int) -> None:
-        if keep < len(self.cached):
-            self.cache.rewind(len(self.cached) - keep)
-            del self.cached[keep:]
-
-    def pending_tokens(self, history) -> int:
-        """How many tokens the next ``propose(history, k)`` feeds before its first draft token
-        (an upper bound: a rejected tail it rewinds first is not counted). ``history``: any
-        int sequence; only its length is read."""
-        missing = max(len(history) - len(self.cached) - self._skipped, 1)
-        return missing if self.window is None else min(missing, self.window)
-
-    def _bridge(self, history: np.ndarray) -> int:
-        """Replace a catch-up longer than ``window`` by head + the most recent tokens.
-        Returns how many sink tokens it fed (the rest is left pending)."""
-        if self.window is None or len(history) - len(self.cached) - self._skipped <= self.window:
-            return 0
-        head = len(self.cached) if self._skipped == 0 else self._head  # one gap at a time
-        self._truncate(head)
-        sink_fill = max(self.SINK_TOKENS - head, 0)  # sink tokens still to feed before the gap
-        tail = len(history) - (self.window - sink_fill)
-        self._head = head + sink_fill
-        self._skipped = tail - self._head
-        if sink_fill:
-            self._feed(np.asarray(history[head:self._head], np.int64), logits=False)
-        return sink_fill
-
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
-        self.last_top_probs = []
-        # Never draft past the draft's own context: the verify needs the same room in the target.
-        k = min(k, self.cache.capacity - len(history))
-        if k <= 0:
-            return Proposal.empty()
-        start = time.perf_counter()
-        self._sync(history)
-        sink_fed = self._bridge(history)
-        pending = np.asarray(history[len(self.cached) + self._skipped:], np.int64)
-        tokens: list[int] = []
-        probs: list[np.ndarray] = []
-        self.catchup_s = 0.0
-        self.catchup_tokens = 0
-        for i in range(k):
-            logits = self._feed(pending)
-            if i == 0 and sink_fed + len(pending) > 2:  # more than the usual correction + last draft token
-                self.catchup_s = time.perf_counter() - start
-                self.catchup_tokens = sink_fed + len(pending)
-            if self.sampling.greedy:
-                index = int(np.argmax(logits))
-                top = _top_prob(logits) if self.p_min > 0 else 1.0
-            else:
-                p_head = warp(logits, self.sampling)
-                index = sample(p_head, self.rng)
-                top = float(p_head.max())
-                if self.head_ids is None:
-                    probs.append(p_head)
-                else:
-                    p_draft = np.zeros(self.vocab_size)
-                    p_draft[self.head_ids] = p_head
-                    probs.append(p_draft)
-            token = index if self.head_ids is None else int(self.head_ids[index])
-            if top < self.p_min:
-                if probs:
-                    probs.pop()
-                break
-            tokens.append(token)
-            self.last_top_probs.append(top)
-            if i + 1 < k:
-                pending = np.array([token], np.int64)
-        draft_probs = np.stack(probs) if probs and not self.sampling.greedy else None
-        return Proposal(np.array(tokens, np.int64), draft_probs)
-
-    def accept(self, history: np.ndarray, n_accepted: int) -> None:
-        self._sync(history)
+DRAFTERS: dict[str, DrafterSpec] = {
+    "model": DrafterSpec(_built_by("model_drafter"), needs_draft_model=True,
+                         help="the bundle's draft model proposes (best on free-form text)"),
+    "ngram": DrafterSpec(_built_by("ngram_drafter"), needs_draft_model=False,
+                         help="prompt lookup: continue an earlier occurrence of the last tokens (code, quoting)"),
+    "composite": DrafterSpec(_built_by("composite_drafter"), needs_draft_model=True,
+                             help="prompt lookup when the text repeats itself, else the draft model"),
+}
+DRAFTER_CHOICES = (NO_DRAFTER, *DRAFTERS)  # what --drafter, specedge.drafter and the manifest accept
 
 
-def _top_prob(logits: np.ndarray) -> float:
-    """max softmax(logits) without materialising the distribution twice."""
-    z = logits - logits.max()
-    return float(1.0 / np.exp(z, dtype=np.float64).sum())
+def needs_draft_model(name: str) -> bool:
+    """Whether drafter ``name`` (a DRAFTER_CHOICES value) runs the draft model."""
+    return name in DRAFTERS and DRAFTERS[name].needs_draft_model
 
 
-class NGramDrafter:
-    """Prompt lookup: propose the continuation of the most recent earlier match of the last n tokens.
-
-    n goes from ``max_ngram`` down to ``min_ngram``. The index maps every n-gram to the
-    position right after its most recent occurrence and is extended incrementally as
-    tokens are committed (O(max_ngram) work per committed token, no rescans).
-    """
-
-    name = "ngram"
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            from ..errors import InvalidParameterError
-
-            raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-        self._tokens: list[int] = []
-        # _index[n][gram] = position following the most recent occurrence of gram that is
-        # not the sequence's own suffix (the suffix is indexed one token late, see _extend).
-        self._index: dict[int, dict[tuple[int, ...], int]] = {}
-
-    def begin(self, prompt: np.ndarray) -> None:
-        self._tokens = []
-        self._index = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
-        self._extend(prompt)
-
-    def _extend(self, tokens) -> None:
-        seq = self._tokens
-        for token in tokens:
-            seq.append(int(token))
-            end = len(seq) - 1  # the gram ending just before the new token now has a continuation
-            for n in self._index:
-                if end - n >= 0:
-                    self._index[n][tuple(seq[end - n:end])] = end
-
-    def _sync(self, history: np.ndarray) -> None:
-        if len(history) < len(self._tokens):
-            self.begin(history)  # history shrank (a new conversation without begin): rebuild
-        elif len(history) > len(self._tokens):
-            self._extend(history[len(self._tokens):])
-
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
-        self._sync(history)
-        seq = self._tokens
-        start = self._match_start()
-        return Proposal.empty() if start is None else Proposal(np.array(seq[start:start + k], np.int64))
-
-    def _match_start(self) -> int | None:
-        """Where the continuation of the longest matching suffix starts, or None."""
-        seq = self._tokens
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self._index[n].get(tuple(seq[len(seq) - n:]))
-            if start is not None:
-                return start
-        return None
-
-    def has_match(self, history) -> bool:
-        """Whether ``propose(history, k)`` would propose anything (``history``: any int sequence)."""
-        self._sync(history)
-        return self._match_start() is not None
-
-    def accept(self, history: np.ndarray, n_accepted: int) -> None:
-        self._sync(history)
+_CLASSES = {"ModelDrafter": "model_drafter", "NGramDrafter": "ngram_drafter", "CompositeDrafter": "composite_drafter"}
 
 
-class CompositeDrafter:
-    """The n-gram proposal when the history repeats itself, else the draft model.
+def __getattr__(name: str):
+    """The drafter classes, importable from here without importing them for the manifest."""
+    if name in _CLASSES:
+        return getattr(importlib.import_module(f"{__package__}.{_CLASSES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    The model drafter's cache stays consistent either way: its ``accept`` runs every
-    step, and its next ``propose`` catches up on whatever committed tokens it missed.
-    """
 
-    name = "composite"
-
-    def __init__(self, ngram: NGramDrafter, model: ModelDrafter) -> None:
-        self.ngram = ngram
-        self.model = model
-        self.last_source = "none"
-
-    def begin(self, prompt: np.ndarray) -> None:
-        self.ngram.begin(prompt)
-        self.model.begin(prompt)
-
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
-        proposal = self.ngram.propose(history, k)
-        if len(proposal.tokens):
-            self.last_source = "ngram"
-            return proposal
-        self.last_source = "model"
-        return self.model.propose(history, k)
-
-    def accept(self, history: np.ndarray, n_accepted: int) -> None:
-        self.ngram.accept(history, n_accepted)
-        self.model.accept(history, n_accepted)
-
-    def pending_tokens(self, history) -> int:
-        # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
-        return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
-
-    @property
-    def catchup_s(self) -> float:
-        return self.model.catchup_s if self.last_source == "model" else 0.0
-
-    @property
-    def catchup_tokens(self) -> int:
-        return self.model.catchup_tokens if self.last_source == "model" else 0
+__all__ = ["DRAFTERS", "DRAFTER_CHOICES", "NO_DRAFTER", "DraftModel", "Drafter", "DrafterSpec", "needs_draft_model"]

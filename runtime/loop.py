@@ -34,7 +34,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..engines.base import Engine, KVCache
-from .drafters import Drafter
+from .controller import Controller
+from .costs import CostModel, StepOutcome
+from .drafting import Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .verify import NEAR_TIE_GAP, Proposal, verify
@@ -86,15 +88,14 @@ class _Run:
 
     def __init__(self, target: Engine, target_kv: KVCache, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-                 drafter: Drafter | None, controller, result: LoopResult,
+                 drafter: Drafter | None, controller: Controller | None, result: LoopResult,
                  stop: Callable[[list[int]], int | None] | None = None, near_tie: float = NEAR_TIE_GAP,
                  max_latency_s: float | None = None,
-                 horizon: Callable[[int, int], float] | None = None) -> None:
+                 horizon: Callable[[int, int], float] | None = None, costs: CostModel | None = None) -> None:
         self.stop = stop
         self.horizon = horizon
         self.max_latency_s = max_latency_s
-        self._draft_token_s: float | None = None  # EMA of draft seconds per drafted token
-        self._verify_s: dict[int, float] = {}  # verify length -> last measured seconds
+        self.costs = costs if costs is not None else CostModel()  # fed every step; the latency cap asks it
         self.near_tie = near_tie
         self.target = target
         self.kv = target_kv
@@ -145,31 +146,13 @@ class _Run:
         """Largest useful k: the verify writes k+1 positions; drafting past max_new_tokens is waste."""
         return min(self.kv.capacity - len(self.history), self.max_new_tokens - len(self.result.tokens) - 1)
 
-    def latency_limit(self) -> int:
-        """Largest k whose block is expected to commit within ``max_latency_s``.
-
-        A block's tokens reach the caller only when it commits, so a long draft delays the
-        next flush: k * (draft time per token) + verify(k+1) must stay under the bound.
-        Uses the step costs this run has measured so far (none yet: no cap).
-        """
-        if self.max_latency_s is None or self._draft_token_s is None:
-            return self.kv.capacity
-        k = 0
-        while k < 64:
-            verify = self._verify_s.get(k + 2, self._verify_s.get(max(self._verify_s, default=1), 0.0))
-            if (k + 1) * self._draft_token_s + verify > self.max_latency_s:
-                break
-            k += 1
-        return k
-
     def choose_k(self) -> int:
-        limit = min(self.limit(), self.latency_limit())
+        limit = self.costs.latency_limit(self.max_latency_s, self.limit())
         if self.drafter is None or self.controller is None or limit <= 0:
             return 0
         if self.carry is not None:
             return min(len(self.carry.tokens), limit)
-        pending = getattr(self.drafter, "pending_tokens", None)
-        catchup = pending(self.history) if pending is not None else 0  # the list itself: no O(context) copy
+        catchup = self.drafter.pending_tokens(self.history)  # the list itself: no O(context) copy
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
             self.horizon(generated, self.max_new_tokens - generated)
@@ -186,10 +169,6 @@ class _Run:
         stats = self.stats
         stats.draft_s += draft_s
         stats.verify_s += verify_s
-        self._verify_s[drafted + 1] = verify_s  # last measured cost of a verify of this length
-        if drafted:
-            per_token = draft_s / drafted
-            self._draft_token_s = per_token if self._draft_token_s is None else 0.8 * self._draft_token_s + 0.2 * per_token
         # EOS inside the block commits only its first `committed` tokens, all accepted draft
         # tokens: the stats count just those, so nothing past the stop is counted. The
         # controller still learns what the draft really achieved.
@@ -197,15 +176,16 @@ class _Run:
             stats.record_step(k, committed, committed)
         else:
             stats.record_step(k, drafted, accepted)
+        # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
+        # one-off, not a per-token draft cost: keep it out of the estimate of c.
+        catchup = self.drafter.catchup_s if drafted else 0.0
+        catchup_tokens = self.drafter.catchup_tokens if drafted else 0
+        stats.catchup_s += catchup
+        stats.catchup_tokens += catchup_tokens
+        step = StepOutcome(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s, catchup, catchup_tokens)
+        self.costs.observe(step)
         if self.controller is not None:
-            # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
-            # one-off, not a per-token draft cost: keep it out of the controller's estimate of c.
-            catchup = getattr(self.drafter, "catchup_s", 0.0) if drafted else 0.0
-            catchup_tokens = getattr(self.drafter, "catchup_tokens", 0) if drafted else 0
-            stats.catchup_s += catchup
-            stats.catchup_tokens += catchup_tokens
-            self.controller.observe(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s,
-                                    catchup_s=catchup, catchup_tokens=catchup_tokens)
+            self.controller.observe(step)
 
     def step_sequential(self, k: int) -> list[int]:
         t0 = time.perf_counter()
@@ -277,10 +257,11 @@ class _Run:
 
 def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_tokens: int,
         eos_token_ids: tuple[int, ...], sampling: SamplingConfig, rng: np.random.Generator,
-        drafter: Drafter | None = None, controller=None, result: LoopResult | None = None,
+        drafter: Drafter | None = None, controller: Controller | None = None, result: LoopResult | None = None,
         mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
         near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None,
-        horizon: Callable[[int, int], float] | None = None) -> Iterator[list[int]]:
+        horizon: Callable[[int, int], float] | None = None, costs: CostModel | None = None
+        ) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
@@ -292,14 +273,15 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     length so a block is expected to commit within that many seconds (voice agents).
     ``horizon(generated, budget_left)`` estimates how many more tokens this reply will
     run; the adaptive controller weighs a draft's one-off catch-up against it (None:
-    unknown, never weighed).
+    unknown, never weighed). ``costs``: the step-cost model this run feeds and the latency
+    cap reads (the adaptive controller's own, so both see one estimate); None = a fresh one.
     """
     result = result if result is not None else LoopResult()
     stats = result.stats
     stats.prompt_tokens = len(prompt)
-    stats.drafter = getattr(drafter, "name", "none") if drafter is not None else "none"
+    stats.drafter = drafter.name if drafter is not None else "none"
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
-                 drafter, controller, result, stop, near_tie, max_latency_s, horizon)
+                 drafter, controller, result, stop, near_tie, max_latency_s, horizon, costs)
 
     target_kv.reset()
     logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)

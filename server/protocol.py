@@ -15,23 +15,22 @@ Conventions taken from the OpenAI API:
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ChatTemplateError, ContextOverflowError, InvalidParameterError, SpecedgeError
-from ..manifest import DRAFTERS
+from ..runtime.drafters import needs_draft_model
 from ..runtime.generator import GenerationConfig, GenerationResult
+from ..runtime.options import OPTIONS, check
 from .worker import ShuttingDown
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; greedy is temperature=0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions endpoint's documented default
 SHUTDOWN_RETRY_AFTER_S = 5  # what a 503 during shutdown suggests: long enough for a restart to begin
-MAX_STOP_STRINGS = 16  # each stop string is searched for after every block; bound the work per block
-# keys of the `specedge` request extension
-SPECEDGE_FIELDS = ("speculation", "drafter", "draft_tokens", "max_latency_s", "draft_window", "allow_special_tokens")
+# keys of the `specedge` request extension: the GenerationConfig options marked server=True
+SPECEDGE_FIELDS = tuple(name for name, option in OPTIONS.items() if option.server)
 
 # Parameters specedge does not implement, accepted only at the value that means "off",
 # so frameworks that always send them (Pipecat, LiveKit) work unchanged.
@@ -133,19 +132,20 @@ def _int(body: dict, name: str, *, minimum: int | None = None, where: str | None
     return value
 
 
-def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False,
-            where: str | None = None) -> float | None:
-    """``body[name]`` as a float in [low, high] (or (low, high]); None when absent."""
+def _option(body: dict, name: str, *, option: str | None = None, where: str | None = None) -> Any:
+    """``body[name]`` checked as GenerationConfig field ``option`` (default: name), with the bounds
+    stated once in runtime/options.py; None when absent. A field that spells None as 0 maps 0 to
+    None here, so the caller sees ``(value, present)`` through ``name in body``."""
     value = body.get(name)
-    where = where or name
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(where, f"{where} must be a number; got {value!r}")
-    if value > high or value < low or (low_open and value == low):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise _bad(where, f"{where} must be in {interval}; got {value!r}")
-    return float(value)
+    field = option or name
+    if OPTIONS[field].zero_is_none and value == 0 and isinstance(value, int) and not isinstance(value, bool):
+        return None
+    try:
+        return check(field, value, where=where or name)
+    except InvalidParameterError as exc:
+        raise _bad(where or name, str(exc)) from None
 
 
 def _bool(body: dict, name: str, default: bool, *, where: str | None = None) -> bool:
@@ -171,19 +171,6 @@ def _check_known(body: dict, known: set[str], neutral: dict[str, tuple], endpoin
             raise APIError(400, f"{name}={value!r} is not supported by specedge"
                            + (f"; only {' or '.join(repr(a) for a in allowed)} (or null) is accepted" if allowed
                               else "; leave it unset (null)"), param=name, code="unsupported_parameter")
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", "stop must be a string or a list of strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise _bad("stop", f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    return tuple(stop)
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -216,30 +203,15 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
     if unknown:
         raise _bad(f"specedge.{unknown[0]}", f"unknown specedge field {unknown[0]!r}; known: "
                    f"{', '.join(SPECEDGE_FIELDS)}")
-    speculation = _bool(ext, "speculation", server_speculation)
-    if speculation and not server_speculation:
+    out: dict[str, Any] = {"speculation": server_speculation}
+    for name in SPECEDGE_FIELDS:
+        if ext.get(name) is not None:
+            out[name] = _option(ext, name, where=f"specedge.{name}")  # 0 = None where the option says so
+    if out["speculation"] and not server_speculation:
         raise _bad("specedge.speculation", "speculation is off on this server (started with --no-speculation)")
-    # Control-token text in messages becomes control tokens only on request (OpenAI: never).
-    out: dict[str, Any] = {"speculation": speculation,
-                           "allow_special_tokens": _bool(ext, "allow_special_tokens", False,
-                                                         where="specedge.allow_special_tokens")}
-    drafter = ext.get("drafter")
-    if drafter is not None:
-        if drafter not in DRAFTERS:
-            raise _bad("specedge.drafter", f"specedge.drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
-        if drafter in ("model", "composite") and not has_draft:
-            raise _bad("specedge.drafter", f"drafter {drafter!r} needs a draft model, and none is loaded")
-        out["drafter"] = drafter
-    draft_tokens = _int(ext, "draft_tokens", minimum=0, where="specedge.draft_tokens")
-    if draft_tokens is not None:
-        out["draft_tokens"] = draft_tokens
-    # A voice agent's steady-streaming bound: each block commits within this many seconds.
-    max_latency = _number(ext, "max_latency_s", 0.0, 60.0, low_open=True, where="specedge.max_latency_s")
-    if max_latency is not None:
-        out["max_latency_s"] = max_latency
-    window = _int(ext, "draft_window", minimum=0, where="specedge.draft_window")
-    if window is not None:
-        out["draft_window"] = window or None  # 0 = the draft reads the whole history
+    drafter = out.get("drafter")
+    if drafter is not None and needs_draft_model(drafter) and not has_draft:
+        raise _bad("specedge.drafter", f"drafter {drafter!r} needs a draft model, and none is loaded")
     return out
 
 
@@ -260,10 +232,12 @@ def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool
     n = _int(body, "n", minimum=1)
     if n is not None and n != 1:
         raise _bad("n", f"n must be 1: specedge generates one choice per request; got {n}")
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
-    top_k = _int(body, "top_k", minimum=-1)  # vLLM's extension; -1 and 0 both mean "off"
-    seed = _int(body, "seed", minimum=0)
+    temperature = _option(body, "temperature")
+    top_p = _option(body, "top_p")
+    if type(body.get("top_k")) is int and body["top_k"] == -1:
+        body = {**body, "top_k": 0}  # vLLM's extension: -1 and 0 both mean "off"
+    top_k = _option(body, "top_k")
+    seed = _option(body, "seed")
     for name, kind in _INFORMATIONAL.items():
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise _bad(name, f"{name} must be {'a string' if kind is str else 'an object'}")
@@ -271,7 +245,7 @@ def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool
         return GenerationConfig(
             max_new_tokens=max_tokens,
             temperature=OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0), seed=seed, stop=_stop(body),
+            top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed, stop=_option(body, "stop") or (),
             chat=chat, **_speculation(body, server_speculation=server_speculation, has_draft=has_draft))
     except InvalidParameterError as exc:
         raise _bad(None, str(exc)) from None
@@ -337,9 +311,9 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
         _check_known(body, _COMPLETIONS_KNOWN, _NEUTRAL_COMPLETIONS, "/v1/completions")
     model = _model(body, model_name)
     stream, include_usage = _stream_flags(body)
-    max_tokens = _int(body, "max_completion_tokens", minimum=1) if chat else None
+    max_tokens = _option(body, "max_completion_tokens", option="max_new_tokens") if chat else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", minimum=1)
+        max_tokens = _option(body, "max_tokens", option="max_new_tokens")
     ext = body.get("specedge")
     allow_special = isinstance(ext, dict) and ext.get("allow_special_tokens") is True
     try:

@@ -96,13 +96,6 @@ def test_fit_acceptance_recovers_an_iid_rate():
     assert math.isnan(metrics.fit_acceptance([], []))
 
 
-def test_first_divergence_index():
-    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert metrics.first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2  # stopped early
-    assert metrics.first_divergence([], [7]) == 0
-
-
 def _run(config: str, tokens: list[int], *, round_: int = 0, near_ties: int = 0, workload: str = "w") -> RunRecord:
     return RunRecord(workload=workload, category="code", config=config, round=round_, tokens=tokens,
                      token_times_s=[0.1 * i for i in range(len(tokens))], tokens_per_s=10.0, new_tokens=len(tokens),
@@ -505,11 +498,11 @@ _REC = dict(workload="w", category="code", round=0, token_times_s=[], tokens_per
 
 def test_draft_window_suffix_names_a_window():
     """``-w<N>`` sets the draft window (``-w0``: the whole history); without it, the runtime default."""
-    from specedge.runtime.generator import DEFAULT_DRAFT_WINDOW
+    from specedge.runtime.model_drafter import DEFAULT_DRAFT_WINDOW
 
     assert parse_config_name("model-adaptive-w0").generation_config(16).draft_window is None
     assert parse_config_name("model-k2-w16").generation_config(16).draft_window == 16
     assert parse_config_name("composite-k2-pipelined-w32").mode == "pipelined"
     assert parse_config_name("model-k2").generation_config(16).draft_window == DEFAULT_DRAFT_WINDOW
-    with pytest.raises(InvalidParameterError, match="a draft window must be > 4 tokens"):
+    with pytest.raises(InvalidParameterError, match=r"'model-k2-w3': the draft window \(-w0 = the whole history\) must be an integer in \(4, "):
         parse_config_name("model-k2-w3")

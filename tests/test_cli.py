@@ -182,10 +182,14 @@ def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("generate", "{missing}", "-p", "hi"), r"error: bundle .*missing-bundle does not exist"),
     (("info", "{missing}"), r"error: bundle .*missing-bundle does not exist"),
-    (("generate", "{bundle}", "-p", PROMPT, "--top-p", "0"), r"error: top_p must be in \(0, 1\]"),
-    (("generate", "{bundle}", "-p", PROMPT, "--max-new-tokens", "0"), r"error: max_new_tokens must be"),
-    (("generate", "{bundle}", "-p", PROMPT, "--draft-window", "3"), r"error: draft_window must be an integer > 4"),
+    (("generate", "{bundle}", "-p", PROMPT, "--top-p", "0"), r"error: top_p must be a number in \(0, 1\]; got 0.0"),
+    (("generate", "{bundle}", "-p", PROMPT, "--max-new-tokens", "0"), r"error: max_new_tokens must be an integer in \[1, "),
+    (("generate", "{bundle}", "-p", PROMPT, "--draft-window", "3"), r"error: draft_window must be an integer in \(4, "),
     (("generate", "{bundle}", "-p", PROMPT, "--min-ngram", "4"), r"error: n-gram sizes need"),
+    (("generate", "{bundle}", "-p", PROMPT, "--max-ngram", "1000000000"), r"error: max_ngram must be an integer "
+                                                                          r"in \[1, 64\]; got 1000000000"),
+    (("generate", "{bundle}", "-p", PROMPT, "--threads", "2147483648"), r"error: thread counts must be integers "
+                                                                        r"in \[0, \d+\]"),
     (("generate", "{bundle}", "-p", PROMPT, "--provider", "cuda"), r"error: execution provider 'cuda'"),
     (("export", "--target", "{missing}", "--out", "{tmp}/x", "--quiet"), r"error: source .* is neither an "
                                                                         r"existing path nor a catalog model"),

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from specedge.errors import InvalidParameterError
-from specedge.runtime.controller import AdaptiveK, CostProfile, FixedK
+from specedge.runtime.controller import AdaptiveK, FixedK
+from specedge.runtime.costs import CostModel, StepOutcome
 from specedge.runtime.horizon import ReplyLengths
 
 
@@ -26,8 +27,15 @@ def fake_step(controller: AdaptiveK, acceptance: float, *, step_s: float = 0.010
     k = controller.choose(limit)
     accepted = min(k, int(round(acceptance * k)))
     verify_s = step_s * (1 + verify_slope * k)
-    controller.observe(k, k, accepted, draft_token_s * k, verify_s)
+    observe(controller, k, k, accepted, draft_token_s * k, verify_s)
     return k
+
+
+def observe(controller: AdaptiveK, *step) -> None:
+    """What the loop does after each step: feed the cost model, then the controller."""
+    outcome = StepOutcome(*step)
+    controller.costs.observe(outcome)
+    controller.observe(outcome)
 
 
 def run_steps(controller: AdaptiveK, acceptance: float, n: int, **kw) -> list[int]:
@@ -37,7 +45,7 @@ def run_steps(controller: AdaptiveK, acceptance: float, n: int, **kw) -> list[in
 def test_first_step_is_plain_then_speculation_is_tried():
     c = AdaptiveK(8)
     assert c.choose(8) == 0  # nothing measured yet
-    c.observe(0, 0, 0, 0.0, 0.010)
+    observe(c, 0, 0, 0, 0.0, 0.010)
     assert c.choose(8) > 0  # optimistic prior: speculation gets tried
 
 
@@ -67,21 +75,21 @@ def test_expensive_verify_turns_speculation_off():
 
 
 def test_choice_matches_the_expected_rate_formula():
-    profile = CostProfile({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.020}, draft_token_s=0.001)
-    c = AdaptiveK(4, profile=profile)
+    profile = CostModel({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.020}, draft_token_s=0.001)
+    c = AdaptiveK(4, costs=profile)
     c.alpha = [0.9, 0.9, 0.9, 0.9]
     rates = {k: c.rate(k) for k in range(5)}
     # E(k) / (k * t_draft + t_target(k+1)); t_target(4) interpolated between 3 and 5.
     assert rates[0] == pytest.approx(1 / 0.010)
     assert rates[2] == pytest.approx((1 + 0.9 + 0.81) / (0.002 + 0.012))
-    assert c.target_cost(4) == pytest.approx(0.016)
-    c.observe(0, 0, 0, 0.0, 0.010)
+    assert c.costs.target_cost(4) == pytest.approx(0.016)
+    observe(c, 0, 0, 0, 0.0, 0.010)
     assert c.choose(4) == max(rates, key=rates.get)
 
 
 def test_limit_caps_k_and_fixed_k():
     c = AdaptiveK(8)
-    c.observe(0, 0, 0, 0.0, 0.010)
+    observe(c, 0, 0, 0, 0.0, 0.010)
     assert c.choose(2) <= 2
     assert FixedK(4).choose(8) == 4
     assert FixedK(4).choose(3) == 3
@@ -104,9 +112,9 @@ def test_invalid_fixed_k():
 def informed(alpha: float = 0.9) -> AdaptiveK:
     """A controller that knows its costs: 10 ms step, v(k+1) = 1 + 0.1k, 2 ms draft step,
     1 ms per catch-up token, and per-position acceptance ``alpha``."""
-    profile = CostProfile({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
+    profile = CostModel({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
                           draft_catchup_token_s=0.001)
-    c = AdaptiveK(8, profile=profile)
+    c = AdaptiveK(8, costs=profile)
     c.alpha = [alpha] * 8
     c.observed = 8
     return c
@@ -128,30 +136,30 @@ def test_a_catchup_that_the_rest_of_the_reply_cannot_repay_keeps_steps_plain():
 
 
 def test_catchup_cost_is_learned_from_observed_catchups():
-    c = AdaptiveK(4)
+    c = CostModel()
     assert c.catchup_cost(50) == 0.0  # nothing known: no draft cost either
-    c.observe(2, 2, 1, 0.004, 0.012, catchup_s=0.030, catchup_tokens=60)
-    assert c.profile.draft_catchup_token_s == pytest.approx(0.0005)
+    c.observe(StepOutcome(2, 2, 1, 0.004, 0.012, catchup_s=0.030, catchup_tokens=60))
+    assert c.draft_catchup_token_s == pytest.approx(0.0005)
     assert c.catchup_cost(50) == pytest.approx(0.025)
     assert c.catchup_cost(2) == 0.0
-    c.observe(2, 2, 1, 0.004, 0.012, catchup_s=0.060, catchup_tokens=60)  # EMA, beta 0.2
-    assert c.profile.draft_catchup_token_s == pytest.approx(0.8 * 0.0005 + 0.2 * 0.001)
+    c.observe(StepOutcome(2, 2, 1, 0.004, 0.012, catchup_s=0.060, catchup_tokens=60))  # EMA, beta 0.2
+    assert c.draft_catchup_token_s == pytest.approx(0.8 * 0.0005 + 0.2 * 0.001)
 
 
 def test_unmeasured_catchup_falls_back_to_a_share_of_the_draft_step():
-    c = AdaptiveK(4, profile=CostProfile({1: 0.01}, draft_token_s=0.004))
-    assert c.catchup_cost(10) == pytest.approx(10 * 0.004 * AdaptiveK.PRIOR_CATCHUP_SHARE)
+    c = CostModel({1: 0.01}, draft_token_s=0.004)
+    assert c.catchup_cost(10) == pytest.approx(10 * 0.004 * CostModel.PRIOR_CATCHUP_SHARE)
 
 
 def test_probes_that_need_a_catchup_wait_until_it_is_a_small_share_of_plain_time():
     c = informed(alpha=0.0)  # speculation never pays: only probes draft
     c.probe_every = 4
-    one_off = c.catchup_cost(40)  # 40 ms
+    one_off = c.costs.catchup_cost(40)  # 40 ms
     ks = []
     for _ in range(200):
         k = c.choose(8, catchup_tokens=40, expected_remaining=1000)
         ks.append(k)
-        c.observe(k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
+        observe(c, k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
     probes = [i for i, k in enumerate(ks) if k > 0]
     assert probes, "the controller must still probe"
     # Each probe follows at least one_off / PROBE_CATCHUP_SHARE seconds of plain steps (10 ms each).
@@ -165,7 +173,7 @@ def test_probes_that_need_a_catchup_wait_until_it_is_a_small_share_of_plain_time
     for _ in range(40):
         k = c2.choose(8, catchup_tokens=1, expected_remaining=1000)
         ks2.append(k)
-        c2.observe(k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
+        observe(c2, k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
     assert sum(k > 0 for k in ks2) >= 7
 
 
@@ -190,11 +198,11 @@ def test_reply_lengths_estimate_the_rest_of_a_reply():
 
 def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
     """The first catch-up is judged on what drafting achieved last time, not on the prior."""
-    profile = CostProfile({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
+    profile = CostModel({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
                           draft_catchup_token_s=0.001)
-    fresh = AdaptiveK(8, profile=profile)
+    fresh = AdaptiveK(8, costs=profile)
     assert fresh.choose(8, catchup_tokens=64, expected_remaining=200) > 0  # the 0.6 prior pays for it
-    poor = AdaptiveK(8, profile=profile, acceptance=[0.15] * 8, observed=8)
+    poor = AdaptiveK(8, costs=profile, acceptance=[0.15] * 8, observed=8)
     assert poor.choose(8, catchup_tokens=64, expected_remaining=200) == 0
     odd = AdaptiveK(4, acceptance=[1.5, -0.2, 0.5, 0.5, 0.5, 0.5], observed=9)
     assert odd.alpha == [1.0, 0.0, 0.5, 0.5] and odd.observed == 4  # clamped, cut to max_k
@@ -203,19 +211,35 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
 def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(self_spec_bundle, load_generator):
     gen = load_generator(self_spec_bundle)
     gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # adaptive, the bundle default
-    assert len(gen.reply_lengths) >= 1 and gen._acceptance and gen._profiles
+    memory = gen.memory
+    assert len(memory.reply_lengths) >= 1 and memory.acceptance and memory.costs
     gen.forget_replies()
-    assert len(gen.reply_lengths) == 0 and not gen._acceptance and gen._profiles
+    assert len(memory.reply_lengths) == 0 and not memory.acceptance and memory.costs
 
 
 def test_a_marginal_predicted_gain_stays_plain():
     """Speculation predicted to win less than SPECULATION_MARGIN runs plain: the cost model's
     realised/predicted ratio was 0.88-0.96, so a predicted 1.05x is a loss in practice."""
-    profile = CostProfile({1: 0.010, 2: 0.0105}, draft_token_s=0.0)
-    c = AdaptiveK(1, profile=profile)
+    profile = CostModel({1: 0.010, 2: 0.0105}, draft_token_s=0.0)
+    c = AdaptiveK(1, costs=profile)
     c.observed = 1
     c.alpha = [0.1]  # E(1) = 1.1 tokens for 1.05 steps: rate(1) = 1.048 x rate(0)
     assert 1.0 < c.rate(1) / c.rate(0) < AdaptiveK.SPECULATION_MARGIN
     assert c.choose(1) == 0
     c.alpha = [0.3]  # 1.3 / 1.05 = 1.24 x: clear of the margin
     assert c.choose(1) == 1
+
+
+def test_the_latency_cap_reads_the_one_cost_model():
+    """The loop's latency cap and the controller read the same learned costs: k drafts fit
+    when k * draft + verify(k + 1) stays under the bound; nothing measured, no cap."""
+    assert CostModel().latency_limit(1e-6, 8) == 8
+    costs = CostModel({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002)
+    assert costs.latency_limit(None, 8) == 8
+    # k=2: 2 * 2 ms + 12 ms = 16 ms fits a 17 ms bound; k=3: 6 ms + 13 ms = 19 ms does not.
+    assert costs.latency_limit(0.017, 8) == 2
+    assert costs.latency_limit(1.0, 5) == 5
+    controller = AdaptiveK(8, costs=costs)
+    observe(controller, 2, 2, 2, 0.040, 0.050)  # the loop feeds one model; the cap sees it at once
+    assert costs.draft_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.020)
+    assert costs.latency_limit(0.017, 8) < 2

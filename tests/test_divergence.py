@@ -18,7 +18,8 @@ from tiny_models import build_model
 
 
 @pytest.mark.parametrize("a, b, want", [([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 5, 3], 1),
-                                        ([1, 2], [1, 2, 3], 2), ([], [4], 0)])
+                                        ([1, 2], [1, 2, 3], 2), ([], [4], 0),
+                                        ([1, 2, 3], [1, 2], 2), ([1, 2, 3, 4], [1, 2, 9, 4], 2)])
 def test_first_divergence(a, b, want):
     assert first_divergence(a, b) == want
 

@@ -19,9 +19,9 @@ import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.export.bundle import ExportConfig, export_bundle
-from specedge.runtime.controller import CostProfile
+from specedge.runtime.costs import CostModel
+from specedge.runtime.memory import SpeculationMemory
 from specedge.runtime.drafters import CompositeDrafter, ModelDrafter, NGramDrafter
-from specedge.runtime.horizon import ReplyLengths
 from specedge.runtime.generator import GenerationConfig, Generator
 from specedge.runtime.sampling import SamplingConfig
 
@@ -154,34 +154,29 @@ def test_windowed_sampling_matches_plain_sampling_distribution(sampling_pair):
 
 @pytest.mark.parametrize("window", [0, 4, -1, 2.5, True])
 def test_invalid_window_is_refused(gen, window):
-    with pytest.raises(InvalidParameterError, match="draft_window must be an integer > 4"):
+    with pytest.raises(InvalidParameterError, match=r"draft_window must be an integer in \(4, \d+\] or None"):
         GenerationConfig(draft_window=window)
-    with pytest.raises(InvalidParameterError, match="draft_window must be an integer > 4"):
+    with pytest.raises(InvalidParameterError, match=r"draft_window must be an integer in \(4, \d+\] or None"):
         ModelDrafter(gen.draft, SamplingConfig(), window=window)
 
 
 def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
     """Adaptive speculation on a short expected reply: the controller weighs the draft's
     catch-up against the rest of the reply and stays plain, so the draft never runs."""
-    saved_profiles, saved_lengths, saved_acceptance = dict(gen._profiles), gen.reply_lengths, gen._acceptance
+    saved_memory = gen.memory
     try:
-        gen._acceptance = {}  # the optimistic prior: only the catch-up's cost can keep it plain
-        gen._profiles.clear()
+        gen.memory = SpeculationMemory()  # the optimistic prior: only the catch-up's cost can keep it plain
         # A nearly flat verify and a free draft step (speculation pays from the first step at the
         # prior acceptance), but a catch-up token costs 1 s.
         flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
-        gen._profiles["model"] = CostProfile(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
-        gen.reply_lengths = ReplyLengths()
+        gen.memory.costs["model"] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
         out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=None, adaptive=True)
         assert out.token_ids == baseline
         assert out.stats.drafted == 0 and out.stats.catchup_tokens == 0
         assert out.stats.catchup_deferred > 0
-        assert len(gen.reply_lengths) == 1  # this reply is on record for the next one
+        assert len(gen.memory.reply_lengths) == 1  # this reply is on record for the next one
     finally:
-        gen._profiles.clear()
-        gen._profiles.update(saved_profiles)
-        gen.reply_lengths = saved_lengths
-        gen._acceptance = saved_acceptance
+        gen.memory = saved_memory
 
 
 def test_the_composite_reports_no_catchup_for_a_step_its_ngram_side_serves(gen):

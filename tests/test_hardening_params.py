@@ -63,26 +63,40 @@ def no_session_runs(monkeypatch):
 
 
 INVALID = [
-    ({"draft_tokens": -1}, r"draft_tokens must be an integer >= 0; got -1"),
-    ({"draft_tokens": 2.5}, r"draft_tokens must be an integer >= 0"),
-    ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0 = greedy\); got -1.0"),
-    ({"temperature": math.nan}, r"temperature must be a finite number >= 0.*got nan"),
-    ({"temperature": math.inf}, r"temperature must be a finite number >= 0.*got inf"),
-    ({"temperature": "0.7"}, r"temperature must be a finite number >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(1 = off\); got 0.0"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\].*got 1.5"),
-    ({"top_p": math.nan}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": -1}, r"top_k must be an integer >= 0 \(0 = off\); got -1"),
-    ({"top_k": 1.5}, r"top_k must be an integer >= 0"),
-    ({"max_new_tokens": 0}, r"max_new_tokens must be an integer >= 1; got 0"),
-    ({"max_new_tokens": -5}, r"max_new_tokens must be an integer >= 1; got -5"),
-    ({"max_new_tokens": 1.5}, r"max_new_tokens must be an integer >= 1; got 1.5"),
-    ({"max_new_tokens": True}, r"max_new_tokens must be an integer >= 1; got True"),
-    ({"seed": -1}, r"seed must be an integer >= 0 or None; got -1"),
-    ({"p_min": 1.0}, r"p_min must be in \[0, 1\); got 1.0"),
+    ({"draft_tokens": -1}, r"draft_tokens must be an integer in \[0, 64\] or None; got -1"),
+    ({"draft_tokens": 2.5}, r"draft_tokens must be an integer in \[0, 64\]"),
+    ({"draft_tokens": 65}, r"draft_tokens must be an integer in \[0, 64\] or None; got 65"),
+    ({"temperature": -1.0}, r"temperature must be a number in \[0, 2\]; got -1.0"),
+    ({"temperature": math.nan}, r"temperature must be a number in \[0, 2\]; got nan"),
+    ({"temperature": math.inf}, r"temperature must be a number in \[0, 2\]; got inf"),
+    ({"temperature": "0.7"}, r"temperature must be a number in \[0, 2\]; got '0.7'"),
+    ({"temperature": True}, r"temperature must be a number in \[0, 2\]; got True"),
+    ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]; got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]; got 1.5"),
+    ({"top_p": math.nan}, r"top_p must be a number in \(0, 1\]"),
+    ({"top_k": -1}, r"top_k must be an integer in \[0, 1048576\]; got -1"),
+    ({"top_k": 1.5}, r"top_k must be an integer in \[0, 1048576\]"),
+    ({"max_new_tokens": 0}, r"max_new_tokens must be an integer in \[1, 1048576\]; got 0"),
+    ({"max_new_tokens": -5}, r"max_new_tokens must be an integer in \[1, 1048576\]; got -5"),
+    ({"max_new_tokens": 1.5}, r"max_new_tokens must be an integer in \[1, 1048576\]; got 1.5"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be an integer in \[1, 1048576\]; got True"),
+    ({"seed": -1}, r"seed must be an integer in \[0, 9223372036854775807\] or None; got -1"),
+    ({"p_min": 1.0}, r"p_min must be a number in \[0, 1\); got 1.0"),
+    ({"p_min": "x"}, r"p_min must be a number in \[0, 1\); got 'x'"),
     ({"min_ngram": 3, "max_ngram": 2}, r"n-gram sizes need 1 <= min_ngram <= max_ngram"),
-    ({"drafter": "oracle"}, r"drafter must be one of none, model, ngram, composite; got 'oracle'"),
+    ({"max_ngram": 10**9}, r"max_ngram must be an integer in \[1, 64\]; got 1000000000"),
+    ({"drafter": "oracle"}, r"drafter must be one of none, model, ngram, composite or None; got 'oracle'"),
     ({"mode": "parallel"}, r"mode must be one of sequential, pipelined, auto; got 'parallel'"),
+    # issue 20 item 12: truthy strings and non-bools are not bools
+    ({"speculation": "no"}, r"speculation must be true or false \(a bool\); got 'no'"),
+    ({"chat": "yes"}, r"chat must be true or false \(a bool\); got 'yes'"),
+    ({"adaptive": 1}, r"adaptive must be true or false \(a bool\) or None; got 1"),
+    # issue 20 item 8: wrong types are typed errors, not TypeError/AttributeError
+    ({"stop": [1]}, r"stop must be a string or a list of non-empty strings; got \[1\]"),
+    ({"stop": ["x"] * 17}, r"stop holds 17 strings; at most 16 are allowed"),
+    ({"stop": ["\ud800"]}, r"stop holds a string that is not valid text"),
+    ({"max_latency_s": 61.0}, r"max_latency_s must be a number in \(0, 60\] or None; got 61.0"),
+    ({"draft_window": 3}, r"draft_window must be an integer in \(4, 1048576\] or None; got 3"),
 ]
 
 
@@ -115,7 +129,7 @@ def test_invalid_engine_options(bundle, monkeypatch):
         EngineOptions(provider="npu")
     with pytest.raises(InvalidParameterError, match=r"provider must be one of cpu, cuda, tensorrt; got 'npu'"):
         Generator.from_bundle(bundle, provider="npu")
-    with pytest.raises(InvalidParameterError, match=r"thread counts must be >= 0"):
+    with pytest.raises(InvalidParameterError, match=r"thread counts must be integers in \[0, \d+\] .*got intra_op_threads=-1"):
         Generator.from_bundle(bundle, threads=-1)
     with pytest.raises(InvalidParameterError, match=r"graph_optimization must be one of disable, basic, extended, "
                                                      r"all; got 'max'"):
@@ -162,3 +176,64 @@ def test_generation_that_reaches_max_context_stops_cleanly(gen, overrides):
     streamed = gen.stream(input_ids=PROMPT, max_new_tokens=100, **overrides)
     assert "".join(streamed) == result.text
     assert streamed.result.finish_reason == "length" and streamed.result.token_ids == result.token_ids
+
+
+BAD_INPUTS = [
+    (dict(messages=5), r"messages must be a non-empty list of \{role, content\} objects; got int"),
+    (dict(messages=[5]), r"messages\[0\] must be an object with string 'role' and 'content'"),
+    (dict(messages=[{"role": "user", "content": 7}]), r"messages\[0\] must be an object with string 'role' and "),
+    (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\].content is not valid text: it "
+                                                                 r"holds a lone surrogate at index 3"),
+    (dict(prompt="caf\udce9"), r"prompt is not valid text: it holds a lone surrogate at index 3"),
+    (dict(prompt=b"bytes"), r"prompt must be a string; got bytes"),
+    (dict(input_ids=["a"]), r"input_ids must hold integers \(token ids\); got 'a'"),
+    (dict(input_ids=[1.7]), r"input_ids must hold integers \(token ids\); got 1.7"),
+    (dict(input_ids=[True]), r"input_ids must hold integers \(token ids\); got True"),
+    (dict(input_ids="abc"), r"input_ids must be a list of token ids; got str"),
+    (dict(input_ids=[6, 7], config="x"), r"config must be a GenerationConfig; got str"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_INPUTS, ids=lambda v: repr(v)[:40] if isinstance(v, dict) else "")
+def test_wrong_input_types_are_typed_errors(gen, no_session_runs, kwargs, match):
+    """Issue 20 item 8: wrong types give InvalidParameterError (never TypeError/AttributeError)."""
+    with pytest.raises(InvalidParameterError, match=match):
+        gen.generate(**kwargs)
+    with pytest.raises(InvalidParameterError, match=match):
+        gen.stream(**kwargs)
+
+
+@pytest.mark.parametrize("path", [None, 5, b"bundle"])
+def test_from_bundle_needs_a_path(path):
+    with pytest.raises(InvalidParameterError, match=r"the bundle must be a folder path \(str or Path\); got"):
+        Generator.from_bundle(path)
+
+
+def test_a_huge_max_ngram_is_refused_before_any_index_is_built():
+    """Issue 20 item 1: --max-ngram 10**9 grew to 24 GB; the bound refuses it up front (no dict is built)."""
+    import tracemalloc
+
+    from specedge.runtime.ngram_drafter import NGramDrafter
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidParameterError, match=r"max_ngram must be an integer in \[1, 64\]"):
+            NGramDrafter(10**9, 2)
+        with pytest.raises(InvalidParameterError, match=r"max_ngram must be an integer in \[1, 64\]"):
+            GenerationConfig(max_ngram=10**9)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # nothing close to one dict per n
+
+
+@pytest.mark.parametrize("threads", [-1, 10**6, 2**31, 1.5, True])
+def test_thread_counts_are_bounded_by_the_cpu_count(bundle, threads):
+    """Issue 20 item 7: --threads 100000 crashed ONNX Runtime, 2**31 gave a pybind TypeError."""
+    import os
+
+    with pytest.raises(InvalidParameterError, match=rf"thread counts must be integers in \[0, {os.cpu_count()}\] "
+                                                    r"\(0 = ONNX Runtime's default; this machine has"):
+        Generator.from_bundle(bundle, threads=threads)
+    with pytest.raises(InvalidParameterError, match=r"thread counts must be integers"):
+        Generator.from_bundle(bundle, draft_threads=threads)

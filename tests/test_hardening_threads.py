@@ -136,3 +136,63 @@ def test_second_generation_in_the_thread_holding_a_stream_raises_instead_of_hang
     assert "unfinished generation" in outcome["stream_error"]
     assert outcome["after"].token_ids == expected.token_ids
     assert not gen._lock.locked()
+
+
+def test_a_callback_that_raises_releases_the_generator_on_every_exit_path(gen):
+    """``stream(callback=...)`` whose callback starts a second generation raises; the stream
+    it was driving must let go of the Generator at once, not at the next garbage collection
+    (a stream and its generator refer to each other): this thread can generate again, and
+    another thread is not kept waiting. The cyclic collector is off during the scenario, and
+    the exception (with its traceback) is kept alive, so nothing but the fix can free the lock."""
+    import gc
+
+    expected = gen.generate(input_ids=PROMPTS[1], **SETTINGS)
+    outcome: dict[str, object] = {}
+
+    def scenario():
+        try:
+            gen.stream(input_ids=PROMPTS[0], callback=lambda delta: gen.generate(input_ids=PROMPTS[1], **SETTINGS),
+                       **SETTINGS)
+        except SpecedgeError as exc:
+            outcome["error"] = exc  # keeps the traceback, and every frame in it, alive
+        outcome["locked_after_error"] = gen._lock.locked()
+        outcome["same_thread"] = gen.generate(input_ids=PROMPTS[1], **SETTINGS)
+        other = threading.Thread(target=lambda: outcome.__setitem__(
+            "other_thread", gen.generate(input_ids=PROMPTS[1], **SETTINGS)), daemon=True)
+        other.start()
+        other.join(120)
+        outcome["other_alive"] = other.is_alive()
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        worker = threading.Thread(target=scenario, daemon=True)
+        worker.start()
+        worker.join(240)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not worker.is_alive(), "the raising callback left the Generator held"
+    assert "unfinished generation" in str(outcome["error"])
+    assert outcome["locked_after_error"] is False
+    assert outcome["same_thread"].token_ids == expected.token_ids
+    assert outcome["other_alive"] is False and outcome["other_thread"].token_ids == expected.token_ids
+    assert not gen._lock.locked()
+
+
+def test_warmup_and_tune_take_the_generator_too(gen):
+    """warmup() and tune() run forwards on the shared caches, so they hold the Generator like a
+    generation does: from the thread holding an unfinished stream they refuse, instead of
+    writing into the caches under the stream."""
+    stream = gen.stream(input_ids=PROMPTS[0], **SETTINGS)
+    next(stream)
+    try:
+        with pytest.raises(SpecedgeError, match="unfinished generation"):
+            gen.warmup(tune=False)
+        with pytest.raises(SpecedgeError, match="unfinished generation"):
+            gen.tune()
+        with pytest.raises(SpecedgeError, match="unfinished generation"):
+            gen.forget_replies()
+    finally:
+        stream.close()
+    assert not gen._lock.locked()

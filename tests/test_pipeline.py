@@ -83,6 +83,8 @@ class AlwaysWrong:
     """Knows the baseline and proposes a wrong first token every block."""
 
     name = "always-wrong"
+    catchup_s = 0.0  # the Drafter contract's catch-up accounting: it reads nothing
+    catchup_tokens = 0
 
     def __init__(self, baseline, prompt_len, vocab):
         self.baseline, self.prompt_len, self.vocab = baseline, prompt_len, vocab
@@ -98,6 +100,9 @@ class AlwaysWrong:
 
     def accept(self, history, n_accepted):
         assert n_accepted == 0
+
+    def pending_tokens(self, history):
+        return 0
 
 
 @pytest.mark.parametrize("mode", ["sequential", "pipelined"])
@@ -163,5 +168,5 @@ def test_max_latency_must_be_positive():
     from specedge.errors import InvalidParameterError
     from specedge.runtime.generator import GenerationConfig
 
-    with pytest.raises(InvalidParameterError, match="max_latency_s must be a number > 0"):
+    with pytest.raises(InvalidParameterError, match=r"max_latency_s must be a number in \(0, 60\] or None; got 0"):
         GenerationConfig(max_latency_s=0)

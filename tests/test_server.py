@@ -485,7 +485,11 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
     ({"specedge": {"draft_tokens": -1}}, "specedge.draft_tokens"),
     ({"specedge": {"max_latency_s": 0}}, "specedge.max_latency_s"),
     ({"specedge": {"max_latency_s": "fast"}}, "specedge.max_latency_s"),
-    ({"specedge": {"draft_window": 3}}, None),  # valid int, refused by GenerationConfig (> 4)
+    ({"specedge": {"draft_window": 3}}, "specedge.draft_window"),  # the option's bound: > 4 (0 = None)
+    ({"specedge": {"speculation": "no"}}, "specedge.speculation"),
+    ({"stop": [1]}, "stop"),
+    ({"messages": [{"role": "user", "content": "caf\udce9"}]}, "messages"),  # a lone surrogate: 400, not 500
+    ({"seed": 2 ** 70}, "seed"),
     ({"specedge": {"draft_window": 1.5}}, "specedge.draft_window"),
 ])
 def test_bad_chat_parameters_are_400(served, change, param):

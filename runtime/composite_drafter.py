@@ -1,0 +1,66 @@
+"""The composite drafter: prompt lookup when the history repeats itself, else the draft model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import model_drafter
+from .drafting import DraftModel
+from .model_drafter import ModelDrafter
+from .ngram_drafter import NGramDrafter
+from .verify import Proposal
+
+if TYPE_CHECKING:
+    from .options import GenerationConfig
+
+
+class CompositeDrafter:
+    """The n-gram proposal when the history repeats itself, else the draft model.
+
+    The model drafter's cache stays consistent either way: its ``accept`` runs every
+    step, and its next ``propose`` catches up on whatever committed tokens it missed.
+    """
+
+    name = "composite"
+
+    def __init__(self, ngram: NGramDrafter, model: ModelDrafter) -> None:
+        self.ngram = ngram
+        self.model = model
+        self.last_source = "none"
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.ngram.begin(prompt)
+        self.model.begin(prompt)
+
+    def propose(self, history: np.ndarray, k: int) -> Proposal:
+        proposal = self.ngram.propose(history, k)
+        if len(proposal.tokens):
+            self.last_source = "ngram"
+            return proposal
+        self.last_source = "model"
+        return self.model.propose(history, k)
+
+    def accept(self, history: np.ndarray, n_accepted: int) -> None:
+        self.ngram.accept(history, n_accepted)
+        self.model.accept(history, n_accepted)
+
+    def pending_tokens(self, history) -> int:
+        # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
+        return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
+
+    @property
+    def catchup_s(self) -> float:
+        return self.model.catchup_s if self.last_source == "model" else 0.0
+
+    @property
+    def catchup_tokens(self) -> int:
+        return self.model.catchup_tokens if self.last_source == "model" else 0
+
+
+def build(config: "GenerationConfig", draft: DraftModel | None) -> CompositeDrafter:
+    """The registry's constructor. In the composite, a 1-token match is too weak to beat the
+    model's own guess: the n-gram side needs a suffix of >= 2 tokens (a repeated phrase) to take over."""
+    return CompositeDrafter(NGramDrafter(max(config.max_ngram, 2), max(config.min_ngram, 2)),
+                            model_drafter.build(config, draft))

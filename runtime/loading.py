@@ -1,0 +1,77 @@
+"""Loading a bundle: manifest and checksums, tokenizer and chat template, engines.
+
+Everything here runs once per Generator, before any generation; the result is a
+frozen :class:`LoadedBundle` the Generator's call path reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..engines import EngineOptions, backend_for, create_engine
+from ..errors import BundleError, InvalidParameterError
+from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
+from . import profile as cost_profile
+from .text import TextCodec
+
+
+@dataclass(frozen=True)
+class LoadedBundle:
+    bundle: Path
+    manifest: Manifest
+    codec: TextCodec
+    target: object  # Engine
+    draft: object | None  # Engine; None when the bundle has none or load_draft=False
+    draft_head_ids: np.ndarray | None  # int32 [head_size]: a vocabulary-truncated draft head's ids
+    threads: int  # intra-op threads the sessions were created with (0 = ORT default)
+    cost_profile: dict | None  # the manifest's measured step costs, when taken on this machine and setting
+
+
+def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, draft_threads: int | None = None,
+                verify_checksums: bool = True, load_draft: bool = True,
+                engine_options: EngineOptions | None = None) -> LoadedBundle:
+    """Load a bundle folder written by ``specedge export`` (see ``Generator.from_bundle``)."""
+    if isinstance(path, bool) or not isinstance(path, (str, Path)):
+        raise InvalidParameterError(f"the bundle must be a folder path (str or Path); got {type(path).__name__}")
+    bundle = Path(path)
+    manifest = load_manifest(bundle, verify_checksums=verify_checksums)
+    # Two sessions alternate on the same cores when a draft is loaded; ORT's worker threads
+    # spin after each run and would steal the other session's cores (measured here: the
+    # int4 Qwen pair's k=4 speculation went from 9.4 to 14.8 tok/s with spinning off).
+    two_sessions = manifest.draft is not None and load_draft
+    options = engine_options or EngineOptions(provider=provider, intra_op_threads=threads,
+                                              allow_spinning=not two_sessions)
+    tok = manifest.tokenizer
+    template = None
+    if tok.chat_template:
+        try:
+            template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"chat template {tok.chat_template!r} is not UTF-8 text: {exc.reason} at byte "
+                              f"{exc.start}") from None
+    codec = TextCodec(resolve_inside(bundle, tok.file), template, bos_token=tok.bos_token,
+                      eos_token=tok.eos_token, add_bos_token=tok.add_bos_token)
+    if codec.vocab_size > manifest.target.vocab_size:
+        raise InvalidParameterError(f"tokenizer has {codec.vocab_size} tokens but the target's vocab_size is "
+                                    f"{manifest.target.vocab_size}")
+    # The engine registry picks the backend per model: CPU, the device-resident ORT engine, or a
+    # native TensorRT plan the bundle records.
+    target_graph = resolve_inside(bundle, manifest.target.graph)
+    target = create_engine(manifest.target, target_graph, options,
+                           backend_for(manifest.target, target_graph, options.provider))
+    draft = None
+    if manifest.draft is not None and load_draft:
+        draft_options = replace(options, intra_op_threads=draft_threads if draft_threads is not None
+                                else options.intra_op_threads)
+        draft_graph = resolve_inside(bundle, manifest.draft.graph)
+        draft = create_engine(manifest.draft, draft_graph, draft_options,
+                              backend_for(manifest.draft, draft_graph, options.provider))
+    head_ids = load_head_tokens(bundle, manifest.draft) if draft is not None else None
+    recorded = manifest.extra.get(cost_profile.PROFILE_KEY)
+    # A profile taken on another machine or thread setting is dropped: warmup() re-measures.
+    usable = recorded if isinstance(recorded, dict) and cost_profile.usable(recorded, options.intra_op_threads) \
+        else None
+    return LoadedBundle(bundle, manifest, codec, target, draft, head_ids, options.intra_op_threads, usable)

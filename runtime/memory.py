@@ -1,0 +1,57 @@
+"""What a Generator learns across replies, kept apart from the call path.
+
+Per drafter: its step costs (a :class:`CostModel`, started from the bundle's measured
+profile) and its per-position acceptance (so the next reply's first, costly catch-up is
+judged on what drafting achieved last time rather than on an optimistic prior). Across
+drafters: recent reply lengths, which tell the controller how much of a reply is still
+to come. Step costs belong to the machine; acceptance and reply lengths to the text.
+"""
+
+from __future__ import annotations
+
+from .controller import ControllerSnapshot
+from .costs import CostModel
+from .drafters import needs_draft_model
+from .horizon import ReplyLengths
+
+
+class SpeculationMemory:
+    """Learned state, keyed by drafter name; not thread-safe (the Generator's lock guards it)."""
+
+    def __init__(self, profile: dict | None = None) -> None:
+        self.profile = profile  # the measured cost profile new CostModels start from (None: from scratch)
+        self.costs: dict[str, CostModel] = {}
+        self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
+        self.reply_lengths = ReplyLengths()
+
+    def costs_for(self, drafter: str) -> CostModel:
+        """The drafter's learned step costs, kept across calls (created from the profile on first use)."""
+        costs = self.costs.get(drafter)
+        if costs is None:
+            costs = self.costs[drafter] = (
+                CostModel.from_dict(self.profile, uses_draft_model=needs_draft_model(drafter))
+                if self.profile else CostModel())
+        return costs
+
+    def acceptance_for(self, drafter: str) -> tuple[list[float] | None, int]:
+        """(per-position acceptance, positions observed) the drafter's last reply ended with."""
+        return self.acceptance.get(drafter, (None, 0))
+
+    def remember(self, new_tokens: int, reason: str, drafter: str | None = None,
+                 learned: ControllerSnapshot | None = None) -> None:
+        """Record a finished reply: its length (unless cancelled: a cancelled reply's length says
+        nothing about the traffic) and what its drafter's controller learned, if it had one."""
+        if drafter is not None and learned is not None and learned.observed:
+            self.acceptance[drafter] = (list(learned.acceptance), learned.observed)
+        if reason != "cancelled":
+            self.reply_lengths.record(new_tokens, finished=reason in ("stop", "stop_string"))
+
+    def forget_replies(self) -> None:
+        """Forget what replies taught (acceptance, reply lengths); keep the machine's step costs."""
+        self.acceptance.clear()
+        self.reply_lengths = ReplyLengths()
+
+    def use_profile(self, profile: dict | None) -> None:
+        """A new measured profile: learned step costs restart from it."""
+        self.profile = profile
+        self.costs.clear()

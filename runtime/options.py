@@ -1,0 +1,191 @@
+"""The one source of generation options: :class:`GenerationConfig` and what each field allows.
+
+Every field carries an :class:`Option` (type, bounds, choices, help) in its dataclass
+metadata. ``GenerationConfig`` validates itself from it; the CLI's click options
+(``cli/options.py``), the server's ``specedge`` request extension (``server/protocol.py``)
+and the bench's configurations read the same metadata, so an option is written once,
+here, and its bound is stated once.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import InvalidParameterError
+from ..manifest import MAX_CONTEXT, MAX_DRAFT_TOKENS
+from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER
+from .loop import MODES
+from .model_drafter import DEFAULT_DRAFT_WINDOW, ModelDrafter
+from .sampling import SamplingConfig
+
+# Each stop string is searched for after every committed block: bound the work per block.
+MAX_STOP_STRINGS = 16
+# A repeated phrase longer than 64 tokens is found by its last 64 tokens just as well, while the
+# n-gram index keeps one dict per n and inserts into each for every committed token: without a
+# bound, --max-ngram 10**9 built dicts until the process was killed (24 GB).
+MAX_NGRAM = 64
+# Past a minute per block a latency cap caps nothing a caller could notice.
+MAX_LATENCY_S = 60.0
+# OpenAI's range: above 2 the warped distribution is close to uniform noise over the vocabulary.
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1 << 20  # above any vocabulary: the cap is then no cap
+MAX_SEED = (1 << 63) - 1  # numpy's generators take any int, but a seed past int64 is a typo
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one GenerationConfig field accepts, and how the CLI and the server spell it."""
+
+    help: str
+    kind: type  # int, float, bool, str, or tuple (of str)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # (low, ...] rather than [low, ...]
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    nullable: bool = False  # None is allowed (the bundle's default, or "off")
+    zero_is_none: bool = False  # the CLI and the server spell None as 0
+    cli: tuple[str, ...] | None = ()  # click declarations; () = --name-with-dashes; None = not a CLI option
+    invert: bool = False  # the CLI flag turns the (default True) field off: --no-speculation, --raw
+    server: bool = False  # accepted in the server's "specedge" request extension
+    max_items: int | None = None  # tuple fields: at most this many
+
+
+def option(default: Any, help: str, kind: type, **kw) -> Any:
+    return field(default=default, metadata={"option": Option(help, kind, **kw)})
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def interval(opt: Option) -> str:
+    """The option's bounds as an interval, e.g. ``[1, 64]`` or ``(0, 1]``."""
+    low = "-inf" if opt.low is None else _number(opt.low)
+    high = "inf" if opt.high is None else _number(opt.high)
+    return f"{'(' if opt.low_open else '['}{low}, {high}{')' if opt.high_open else ']'}"
+
+
+def _in_bounds(opt: Option, value: float) -> bool:
+    if opt.low is not None and (value < opt.low or (opt.low_open and value == opt.low)):
+        return False
+    return opt.high is None or not (value > opt.high or (opt.high_open and value == opt.high))
+
+
+def _valid_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (e.g. from undecodable bytes): not text
+        return False
+    return True
+
+
+def check(name: str, value: Any, *, where: str | None = None) -> Any:
+    """Validate ``value`` for GenerationConfig field ``name``; return it normalised (a stop string
+    becomes a 1-tuple). Raises InvalidParameterError naming ``where`` (default: the field)."""
+    opt = OPTIONS[name]
+    where = where or name
+    none = " or None" if opt.nullable else ""
+    if value is None:
+        if opt.nullable:
+            return None
+        raise InvalidParameterError(f"{where} must not be None")
+    if opt.kind is bool:
+        if not isinstance(value, bool):
+            raise InvalidParameterError(f"{where} must be true or false (a bool){none}; got {value!r}")
+    elif opt.kind is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _in_bounds(opt, value):
+            raise InvalidParameterError(f"{where} must be an integer in {interval(opt)}{none}; got {value!r}")
+        value = int(value)
+    elif opt.kind is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                or not _in_bounds(opt, value):
+            raise InvalidParameterError(f"{where} must be a number in {interval(opt)}{none}; got {value!r}")
+    elif opt.kind is str:
+        if not isinstance(value, str) or value not in opt.choices:
+            raise InvalidParameterError(f"{where} must be one of {', '.join(opt.choices)}{none}; got {value!r}")
+    elif opt.kind is tuple:
+        value = (value,) if isinstance(value, str) else value
+        if not isinstance(value, (tuple, list)) or not all(isinstance(s, str) and s for s in value):
+            raise InvalidParameterError(f"{where} must be a string or a list of non-empty strings; got {value!r}")
+        if len(value) > opt.max_items:
+            raise InvalidParameterError(f"{where} holds {len(value)} strings; at most {opt.max_items} are allowed")
+        if not all(_valid_text(s) for s in value):
+            raise InvalidParameterError(f"{where} holds a string that is not valid text (a lone surrogate: "
+                                        "undecodable bytes?)")
+        value = tuple(value)
+    return value
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-call settings. ``None`` means "the bundle's default"."""
+
+    max_new_tokens: int = option(128, "Tokens to generate.", int, low=1, high=MAX_CONTEXT)
+    temperature: float = option(0.0, "0 = greedy.", float, low=0.0, high=MAX_TEMPERATURE)
+    top_k: int = option(0, "0 = off.", int, low=0, high=MAX_TOP_K)
+    top_p: float = option(1.0, "1 = off.", float, low=0.0, high=1.0, low_open=True)
+    seed: int | None = option(None, "Sampling seed.", int, low=0, high=MAX_SEED, nullable=True)
+    stop: tuple[str, ...] = option((), "Stop string (repeatable); the text ends before the first one.", tuple,
+                                   max_items=MAX_STOP_STRINGS)
+    speculation: bool = option(True, "Plain decoding (the baseline).", bool, cli=("--no-speculation",),
+                               invert=True, server=True)
+    drafter: str | None = option(None, "Override the bundle's drafter: " + "; ".join(
+        [f"{NO_DRAFTER} = plain decoding"] + [f"{n} = {d.help}" for n, d in DRAFTERS.items()]) + ".", str,
+        choices=DRAFTER_CHOICES,
+                                 nullable=True, server=True)
+    draft_tokens: int | None = option(
+        None, "Fixed draft length k (default: adaptive, which may choose 0 = no speculation).", int, low=0,
+        high=MAX_DRAFT_TOKENS, nullable=True, cli=("--draft-tokens", "-k"), server=True)
+    adaptive: bool | None = option(None, "Let the cost model choose k per step.", bool, nullable=True,
+                                   cli=("--adaptive/--no-adaptive",))
+    p_min: float = option(0.0, "Stop drafting when the draft's top probability is below this.", float, low=0.0,
+                          high=1.0, high_open=True)
+    max_ngram: int = option(3, "n-gram drafter: longest suffix to match.", int, low=1, high=MAX_NGRAM)
+    # 2, not 1: a single repeated token predicts the next one badly (measured acceptance 0.0-0.2 on
+    # chat and voice replies), below the break-even v(2) - 1 = 0.1-0.35 of a verify step, so 1-token
+    # matches only slowed decoding down.
+    min_ngram: int = option(2, "n-gram drafter: shortest repeated suffix that may propose (1-token matches "
+                            "rarely predict the next token).", int, low=1, high=MAX_NGRAM)
+    chat: bool = option(True, "Do not apply the chat template.", bool, cli=("--raw",), invert=True)
+    # Control-token text inside chat messages ("<|im_end|>") becomes control tokens. Off: it is
+    # encoded as plain text, as the OpenAI API does, so user text cannot forge a system turn.
+    allow_special_tokens: bool = option(False, "Encode control-token text in messages as control tokens "
+                                        "(off: as plain text, as the OpenAI API does).", bool, server=True)
+    mode: str = option("sequential", "pipelined = verify-while-draft (draft and target run at once); auto = "
+                       "measure both and use the faster.", str, choices=MODES)
+    max_latency_s: float | None = option(
+        None, "Cap the draft length so each block commits within this many seconds (steady streaming for "
+        "voice agents).", float, low=0.0, low_open=True, high=MAX_LATENCY_S, nullable=True,
+        cli=("--max-latency",), server=True)
+    draft_window: int | None = option(
+        DEFAULT_DRAFT_WINDOW, "Most unseen tokens the draft model reads at once (its prompt prefill): longer "
+        f"history is bridged to its first {ModelDrafter.SINK_TOKENS} + most recent tokens, so a long prompt costs "
+        "the draft little. Output is unchanged; only acceptance can drop. 0 = read everything.", int,
+        low=ModelDrafter.SINK_TOKENS, low_open=True, high=MAX_CONTEXT, nullable=True, zero_is_none=True,
+        server=True)
+    # Every target forward runs >= 2 rows (engines/invariant.py), so a plain step and a verify row
+    # take the same kernels and greedy speculation equals plain decoding token for token. False:
+    # 1-row plain steps, faster on int4 CPU bundles (a 2-row step costs 1.2-1.4x there, measured on a
+    # 2-core AVX2 EPYC), but the two paths' logits differ in the low bits and near ties can flip.
+    exact: bool = option(True, "1-row plain steps: faster on int4 CPU bundles, but greedy speculation may then "
+                         "differ from plain decoding at near ties.", bool, cli=("--inexact-steps",), invert=True)
+
+    def __post_init__(self) -> None:
+        for name in OPTIONS:
+            value = check(name, getattr(self, name))
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)
+        if self.min_ngram > self.max_ngram:
+            raise InvalidParameterError(f"n-gram sizes need 1 <= min_ngram <= max_ngram; got "
+                                        f"{self.min_ngram}, {self.max_ngram}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(GenerationConfig)}

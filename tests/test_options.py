@@ -1,0 +1,65 @@
+"""The one options source and the drafter registry: everything else derives from them.
+
+Guards: every GenerationConfig field declares its type, help and (for numbers) both
+bounds; the CLI's generate options, the server's ``specedge`` extension and the bench's
+configuration names are the ones declared there and in the drafter registry, so a new
+option or drafter is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specedge.bench.configs import SPEC_DRAFTERS, parse_config_name
+from specedge.errors import InvalidParameterError
+from specedge.runtime.drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER, needs_draft_model
+from specedge.runtime.options import OPTIONS, GenerationConfig, check
+from specedge.server.protocol import SPECEDGE_FIELDS
+
+
+def test_every_field_declares_its_option_with_an_upper_bound():
+    assert set(OPTIONS) == {f.name for f in dataclasses.fields(GenerationConfig)}
+    for name, option in OPTIONS.items():
+        assert option.help, name
+        if option.kind in (int, float):
+            assert option.low is not None and option.high is not None, f"{name} needs both bounds"
+        if option.kind is str:
+            assert option.choices, name
+        if option.kind is tuple:
+            assert option.max_items, name
+
+
+def test_the_cli_offers_exactly_the_declared_options():
+    from specedge.cli.main import generate
+
+    params = {p.name for p in generate.params}
+    assert {n for n, o in OPTIONS.items() if o.cli is not None} <= params
+    drafter = next(p for p in generate.params if p.name == "drafter")
+    assert tuple(drafter.type.choices) == DRAFTER_CHOICES
+
+
+def test_server_extension_and_bench_names_come_from_the_sources():
+    assert SPECEDGE_FIELDS == tuple(n for n, o in OPTIONS.items() if o.server)
+    assert SPEC_DRAFTERS == tuple(DRAFTERS)
+    assert DRAFTER_CHOICES == (NO_DRAFTER, *DRAFTERS)
+    for name in DRAFTERS:
+        assert parse_config_name(f"{name}-k2").drafter == name
+        assert needs_draft_model(name) == DRAFTERS[name].needs_draft_model
+    assert not needs_draft_model(NO_DRAFTER)
+
+
+@pytest.mark.parametrize("name, value, where, match", [
+    ("draft_tokens", 99, "specedge.draft_tokens", r"specedge.draft_tokens must be an integer in \[0, 64\] or None"),
+    ("speculation", "no", "speculation", r"speculation must be true or false \(a bool\); got 'no'"),
+    ("temperature", True, "temperature", r"temperature must be a number in \[0, 2\]; got True"),
+])
+def test_check_names_where_the_value_came_from(name, value, where, match):
+    with pytest.raises(InvalidParameterError, match=match):
+        check(name, value, where=where)
+
+
+def test_check_normalises_a_single_stop_string():
+    assert check("stop", "###") == ("###",)
+    assert GenerationConfig(stop=["a", "b"]).stop == ("a", "b")
