@@ -19,7 +19,7 @@ touches the target's cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the registry's names
@@ -63,6 +63,9 @@ class DraftModel:
     cache: "KVCache"  # preallocated once per Generator, reused by every call
     head_ids: "np.ndarray | None"  # int64 [head_size]: a vocabulary-truncated head's token ids, else None
     vocab_size: int  # the target's vocabulary: p_draft is placed on it
+    # The draft cache's committed prefix at true positions, kept across calls by the model drafter
+    # so a conversation's next turn reuses it (runtime/slots.py); mutated in place.
+    prefix: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from .controller import AdaptiveK, Controller, FixedK
 from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
+from .slots import CacheSlot, SlotPool
 from .stats import GenerationStats
 from .text import StreamDecoder
 from .verify import near_tie_gap
@@ -123,7 +125,7 @@ class Generator:
     """The call path over a loaded bundle: encode, build the drafter, run the loop under the lock,
     map the outcome. Loading is :mod:`.loading`; what is learned across replies, :attr:`memory`."""
 
-    def __init__(self, loaded: LoadedBundle) -> None:
+    def __init__(self, loaded: LoadedBundle, *, cache_slots: int = 1, cache_memory: int | None = None) -> None:
         self.loaded = loaded
         self.bundle = loaded.bundle
         self.manifest = loaded.manifest
@@ -131,8 +133,9 @@ class Generator:
         self.target = BatchInvariantEngine(loaded.target)  # exact by default; .inner is the bare engine
         self.draft = loaded.draft
         self.threads = loaded.threads
-        self.target_kv = self.target.new_cache()  # allocated once, reused by every call
-        self.draft_kv = self.draft.new_cache() if self.draft is not None else None
+        # Conversation slots: each keeps its caches (allocated once) and the tokens they hold, so a
+        # call that continues an earlier one prefills only what is new (runtime/slots.py).
+        self.slots = SlotPool(self._new_slot, max_slots=cache_slots, max_bytes=cache_memory)
         self.draft_head_ids = loaded.draft_head_ids
         self.max_context = self.manifest.target.max_context
         self.eos_token_ids = self.manifest.target.eos_token_ids
@@ -143,18 +146,36 @@ class Generator:
         self._lock = threading.Lock()
         self._owner: int | None = None  # id of the thread whose generation holds _lock
 
+    def _new_slot(self) -> CacheSlot:
+        return CacheSlot(self.target.new_cache(), self.draft.new_cache() if self.draft is not None else None)
+
+    @property
+    def target_kv(self):
+        """The first conversation slot's target cache (every Generator has it)."""
+        return self.slots.slots[0].target_kv
+
+    @property
+    def draft_kv(self):
+        """The first conversation slot's draft cache, or None without a draft model."""
+        return self.slots.slots[0].draft_kv
+
     @classmethod
     def from_bundle(cls, path: str | Path, *, provider: str = "cpu", threads: int = 0,
                     draft_threads: int | None = None, verify_checksums: bool = True,
-                    load_draft: bool = True, engine_options: EngineOptions | None = None) -> "Generator":
+                    load_draft: bool = True, engine_options: EngineOptions | None = None,
+                    cache_slots: int = 1, cache_memory: int | None = None) -> "Generator":
         """Load a bundle folder written by ``specedge export``.
+
+        ``cache_slots``: conversations whose KV caches are kept between calls (each costs the
+        target's and the draft's cache at max_context; allocated on first need); ``cache_memory``:
+        a byte limit on them. A call continuing one of them prefills only its new tokens.
 
         ``threads``: intra-op threads per session (0 = ORT default). ``verify_checksums``:
         hash every file against the manifest (on by default; off skips ~1 s per GB).
         """
         return cls(load_bundle(path, provider=provider, threads=threads, draft_threads=draft_threads,
                                verify_checksums=verify_checksums, load_draft=load_draft,
-                               engine_options=engine_options))
+                               engine_options=engine_options), cache_slots=cache_slots, cache_memory=cache_memory)
 
     @property
     def cost_profile(self) -> dict | None:
@@ -197,7 +218,9 @@ class Generator:
         return ids
 
     # --------------------------------------------------------------------- drafting
-    def _drafter_and_controller(self, config: GenerationConfig) -> tuple[Drafter | None, Controller | None]:
+    def _drafter_and_controller(self, config: GenerationConfig) -> tuple[str | None, Controller | None]:
+        """The drafter's name and the controller for ``config``, checked before the run starts
+        (the drafter itself is built under the lock, on the conversation slot's draft cache)."""
         spec = self.manifest.speculation
         name = config.drafter or spec.drafter
         if config.drafter is None and needs_draft_model(name) and self.draft is None:
@@ -207,9 +230,6 @@ class Generator:
         if needs_draft_model(name) and self.draft is None:
             raise InvalidParameterError(f"drafter {name!r} needs a draft model, and this bundle has none "
                                         "(export with --draft, or use --drafter ngram)")
-        draft = None if self.draft is None else DraftModel(self.draft, self.draft_kv, self.draft_head_ids,
-                                                           self.manifest.target.vocab_size)
-        drafter = DRAFTERS[name].build(config, draft)
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
@@ -222,7 +242,12 @@ class Generator:
         else:
             k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
             controller = FixedK(k)
-        return drafter, controller
+        return name, controller
+
+    def _build_drafter(self, name: str, config: GenerationConfig, slot: CacheSlot) -> Drafter:
+        draft = None if self.draft is None else DraftModel(self.draft, slot.draft_kv, self.draft_head_ids,
+                                                           self.manifest.target.vocab_size, slot.draft_prefix)
+        return DRAFTERS[name].build(config, draft)
 
     # --------------------------------------------------------------------- the lock
     @contextmanager
@@ -272,14 +297,15 @@ class Generator:
         k = self.manifest.speculation.max_draft_tokens
         ids = [int(t) % self.manifest.target.vocab_size for t in range(min(k + 1, self.max_context - k - 2))]
         with self._exclusive():
-            for engine, cache in ((self.target, self.target_kv), (self.draft, self.draft_kv)):
+            slot = self.slots.slots[0]
+            for engine, cache in ((self.target, slot.target_kv), (self.draft, slot.draft_kv)):
                 if engine is None:
                     continue
                 cache.reset()
                 engine.forward(np.asarray(ids, np.int64), cache, 1)
                 engine.forward(np.asarray(ids[:1], np.int64), cache, 1)
                 engine.forward(np.asarray(ids[: k + 1], np.int64), cache, k + 1)
-                cache.reset()
+            slot.drop()  # what warm-up wrote is no conversation
             if tune and self.memory.profile is None:
                 self._tune(False, 128)
 
@@ -302,12 +328,12 @@ class Generator:
         """The one generation path behind generate() and stream(): the result it fills, and
         the iterator of text deltas that runs it. Drafter errors surface here, at the call;
         the run itself starts (and takes the lock) on the iterator's first next()."""
-        drafter, controller = self._drafter_and_controller(config)
+        name, controller = self._drafter_and_controller(config)
         state = loop.LoopResult()
         result = GenerationResult("", [], "length", state.stats, ids)
-        return result, self._iterate(ids, config, drafter, controller, state, result, cancel)
+        return result, self._iterate(ids, config, name, controller, state, result, cancel)
 
-    def _iterate(self, ids: list[int], config: GenerationConfig, drafter: Drafter | None,
+    def _iterate(self, ids: list[int], config: GenerationConfig, drafter_name: str | None,
                  controller: Controller | None, state: loop.LoopResult, result: GenerationResult,
                  cancel: threading.Event | None) -> Iterator[str]:
         rng = np.random.default_rng(config.seed)
@@ -323,15 +349,19 @@ class Generator:
             return None if decoder.stopped_at is None else decoder.stopped_at + 1 - before
 
         with self._exclusive():
+            slot, reuse = self.slots.acquire(ids, config.exact, reuse=config.reuse_prefix)
+            drafter = None if drafter_name is None else self._build_drafter(drafter_name, config, slot)
             # Exact (default): the batch-invariant target, whose plain steps take the verify's kernels.
             target = self.target if config.exact else self.target.inner
-            blocks = loop.run(target, self.target_kv, np.asarray(ids, np.int64),
+            blocks = loop.run(target, slot.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
                               sampling=config.sampling, rng=rng, drafter=drafter, controller=controller,
                               result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,
                               max_latency_s=config.max_latency_s,
                               horizon=self.memory.reply_lengths.expected_remaining,
-                              costs=None if drafter is None else self.memory.costs_for(drafter.name))
+                              costs=None if drafter is None else self.memory.costs_for(drafter.name),
+                              reuse=reuse)
+            failed = True
             try:
                 for _ in blocks:
                     result.text = decoder.text
@@ -342,8 +372,16 @@ class Generator:
                     if cancel is not None and cancel.is_set():
                         state.finish_reason = "cancelled"
                         break
+                failed = False
+            except GeneratorExit:  # the consumer closed the stream: a cancel, the caches are sound
+                failed = False
+                raise
             finally:
                 blocks.close()
+                if failed:
+                    slot.drop()  # a forward (or the callback) raised mid-run: never keep a half-written cache
+                else:  # the slot keeps exactly the committed tokens its cache holds
+                    slot.keep(ids + state.tokens, config.exact)
                 tail = decoder.push([], final=True) if decoder.stopped_at is None else ""
                 self._finish(ids, state, result, decoder, drafter, controller)
         if tail:
@@ -365,6 +403,34 @@ class Generator:
             result.stats.mode_s = dict(learned.mode_s)
             result.stats.catchup_deferred = learned.catchup_deferred
         self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
+
+    def prefill(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,
+                **overrides) -> dict:
+        """Push the known part of the next turn into a conversation slot before the turn ends.
+
+        A voice agent calls this with the history and the user's partial transcript (interim
+        speech-to-text); the real request then computes only what changed since. Returns
+        ``{"prompt_tokens", "reused_tokens", "computed_tokens", "seconds"}``. Nothing is
+        generated; the slot is the one the request will find by longest prefix.
+        """
+        config = self._config(config, overrides)
+        ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat,
+                                 allow_special_tokens=config.allow_special_tokens)
+        start = time.perf_counter()
+        with self._exclusive():
+            slot, reuse = self.slots.acquire(ids + [-1], config.exact, reuse=config.reuse_prefix)
+            target = self.target if config.exact else self.target.inner
+            slot.target_kv.rewind(slot.target_kv.length - reuse)
+            try:
+                if reuse < len(ids):
+                    target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
+            except BaseException:
+                slot.drop()
+                raise
+            slot.keep(ids, config.exact)
+        return {"prompt_tokens": len(ids), "reused_tokens": reuse, "computed_tokens": len(ids) - reuse,
+                "seconds": time.perf_counter() - start}
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,

@@ -260,8 +260,8 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
         drafter: Drafter | None = None, controller: Controller | None = None, result: LoopResult | None = None,
         mode: str = "sequential", stop: Callable[[list[int]], int | None] | None = None,
         near_tie: float = NEAR_TIE_GAP, max_latency_s: float | None = None,
-        horizon: Callable[[int, int], float] | None = None, costs: CostModel | None = None
-        ) -> Iterator[list[int]]:
+        horizon: Callable[[int, int], float] | None = None, costs: CostModel | None = None,
+        reuse: int = 0) -> Iterator[list[int]]:
     """Generate, yielding each block's committed tokens as soon as the block commits.
 
     ``prompt``: int64 ``[P]``, with P < target_kv.capacity (the caller checks, before any
@@ -275,6 +275,8 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     run; the adaptive controller weighs a draft's one-off catch-up against it (None:
     unknown, never weighed). ``costs``: the step-cost model this run feeds and the latency
     cap reads (the adaptive controller's own, so both see one estimate); None = a fresh one.
+    ``reuse``: the target cache already holds the K/V of ``prompt[:reuse]`` (a conversation's
+    earlier turns, runtime/slots.py); only the rest is prefilled. 0 = a cold start.
     """
     result = result if result is not None else LoopResult()
     stats = result.stats
@@ -283,8 +285,11 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
     state = _Run(target, target_kv, np.asarray(prompt, np.int64), max_new_tokens, eos_token_ids, sampling, rng,
                  drafter, controller, result, stop, near_tie, max_latency_s, horizon, costs)
 
-    target_kv.reset()
-    logits = target.forward(np.asarray(prompt, np.int64), target_kv, num_logits=1)
+    if not 0 <= reuse < len(prompt) or reuse > target_kv.length:
+        raise ValueError(f"reuse {reuse} must leave >= 1 prompt token and be held by the cache ({target_kv.length})")
+    target_kv.rewind(target_kv.length - reuse)  # reuse 0: an empty cache
+    stats.reused_tokens = reuse
+    logits = target.forward(np.asarray(prompt[reuse:], np.int64), target_kv, num_logits=1)
     first = verify(Proposal.empty(), logits, sampling, rng, near_tie)
     stats.prefill_s = time.perf_counter() - state.start
     stats.near_ties += first.near_ties

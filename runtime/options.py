@@ -171,6 +171,11 @@ class GenerationConfig:
     # take the same kernels and greedy speculation equals plain decoding token for token. False:
     # 1-row plain steps, faster on int4 CPU bundles (a 2-row step costs 1.2-1.4x there, measured on a
     # 2-core AVX2 EPYC), but the two paths' logits differ in the low bits and near ties can flip.
+    # A conversation's next call reuses the K/V its slot holds for the longest common prefix
+    # (runtime/slots.py): the reply is the cold reply, only its prefill is shorter.
+    reuse_prefix: bool = option(True, "Prefill the whole prompt even when a conversation slot holds its "
+                                "beginning (the cold-start baseline).", bool, cli=("--no-prefix-reuse",),
+                                invert=True, server=True)
     exact: bool = option(True, "1-row plain steps: faster on int4 CPU bundles, but greedy speculation may then "
                          "differ from plain decoding at near ties.", bool, cli=("--inexact-steps",), invert=True)
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose K/V a conversation slot already held (not prefilled)
     new_tokens: int = 0
     steps: int = 0  # target forward passes after prefill
     drafted: int = 0  # draft tokens proposed and verified

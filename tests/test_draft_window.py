@@ -137,7 +137,8 @@ def test_windowed_self_speculation_still_accepts_most_tokens(tmp_path_factory):
     g = Generator.from_bundle(root / "b")
     plain = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False).token_ids
     full = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=4, draft_window=None)
-    windowed = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=4, draft_window=8)
+    windowed = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=4, draft_window=8,
+                         reuse_prefix=False)  # a cold draft: what the window bounds
     assert full.token_ids == plain == windowed.token_ids
     assert full.stats.acceptance == 1.0
     assert full.stats.catchup_tokens == len(LONG_PROMPT) + 1  # the prompt and the prefill's token

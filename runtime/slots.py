@@ -1,0 +1,131 @@
+"""Conversation cache slots: keep each conversation's KV cache across calls, reuse the longest prefix.
+
+A voice-agent framework sends the whole conversation every turn (system prompt, earlier turns,
+the new user turn). A slot remembers which token ids its target cache holds, position by
+position; the next call keeps the longest common token prefix and prefills only the rest
+(rewinding is a length change), and the draft model keeps its own prefix the same way. This is
+llama.cpp's server ``cache_prompt`` and vLLM's prefix caching, for one device and batch 1.
+
+A pool bounds the slots by count and by bytes. A call takes the slot sharing the longest prefix
+with its prompt (most recently used on ties); with no useful match it takes a free slot, or
+evicts the least recently used one. There is no conversation id to manage.
+
+Exactness: a slot's prefix was computed by the same graph with the same per-row kernels (every
+target forward runs >= 2 rows by default, engines/invariant.py), so a reply that reuses it is the
+reply a cold start gives. A slot written with 1-row steps (``exact=False``) is not reused by an
+exact call, nor the reverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..engines.base import KVCache
+from ..errors import InvalidParameterError
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class CacheSlot:
+    """One conversation's caches and what they hold.
+
+    ``tokens``: the token id at each position of ``target_kv`` (len == target_kv.length once a
+    call has ended). ``draft_prefix``: the draft cache's committed prefix, kept up to date by
+    the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
+    written with batch-invariant steps (None: empty).
+    """
+
+    target_kv: KVCache
+    draft_kv: KVCache | None
+    tokens: list[int] = field(default_factory=list)
+    draft_prefix: list[int] = field(default_factory=list)
+    exact: bool | None = None
+    last_used: int = 0
+
+    def drop(self) -> None:
+        """Forget everything (after a failed forward: the cache may be half-written)."""
+        self.target_kv.reset()
+        if self.draft_kv is not None:
+            self.draft_kv.reset()
+        self.tokens.clear()
+        self.draft_prefix.clear()
+        self.exact = None
+
+    def reusable(self, prompt: Sequence[int], exact: bool) -> int:
+        """How many leading prompt tokens this slot's target cache already holds (>= 1 token is
+        always left to compute, so the call gets the last position's logits)."""
+        if self.exact is not exact:
+            return 0
+        return min(common_prefix(self.tokens, prompt), len(prompt) - 1, self.target_kv.length)
+
+    def keep(self, committed: Sequence[int], exact: bool) -> None:
+        """Record what the target cache holds after a call: the committed tokens it has K/V for.
+        Anything past the committed sequence (a stop inside a block, a cancel) is rewound."""
+        held = min(self.target_kv.length, len(committed))
+        self.target_kv.rewind(self.target_kv.length - held)
+        self.tokens[:] = committed[:held]
+        self.exact = exact
+
+    def nbytes(self) -> int:
+        return self.target_kv.nbytes + (self.draft_kv.nbytes if self.draft_kv is not None else 0)
+
+
+class SlotPool:
+    """At most ``max_slots`` slots and ``max_bytes`` of cache, allocated on first need.
+
+    ``new_slot()`` allocates one slot's caches (every slot costs the same bytes).
+    """
+
+    def __init__(self, new_slot: Callable[[], CacheSlot], *, max_slots: int, max_bytes: int | None = None) -> None:
+        if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
+            raise InvalidParameterError(f"cache_slots must be an integer >= 1; got {max_slots!r}")
+        self._new_slot = new_slot
+        self.slots: list[CacheSlot] = [new_slot()]  # the first slot always exists (warm-up, one conversation)
+        per_slot = self.slots[0].nbytes()
+        if max_bytes is not None and max_bytes < per_slot:
+            raise InvalidParameterError(f"cache_memory {max_bytes} bytes cannot hold one slot ({per_slot} bytes: "
+                                        "the target and draft caches at max_context)")
+        self.max_slots = max_slots if max_bytes is None else min(max_slots, max_bytes // per_slot)
+        self._clock = 0
+
+    def acquire(self, prompt: Sequence[int], exact: bool, *, reuse: bool = True) -> tuple[CacheSlot, int]:
+        """The slot for ``prompt`` and how many of its tokens it already holds."""
+        self._clock += 1
+        best, best_len = None, 0
+        if reuse:
+            for slot in self.slots:
+                n = slot.reusable(prompt, exact)
+                if n > best_len or (n == best_len and best is not None and n and slot.last_used > best.last_used):
+                    best, best_len = slot, n
+        if best is None:
+            if len(self.slots) < self.max_slots:
+                best = self._new_slot()
+                self.slots.append(best)
+            else:
+                best = min(self.slots, key=lambda s: s.last_used)  # least recently used
+            best_len = 0
+        if not reuse:
+            best.draft_prefix.clear()  # a cold start for the draft model too
+        best.last_used = self._clock
+        return best, best_len
+
+    def clear(self) -> None:
+        for slot in self.slots:
+            slot.drop()
+
+    def nbytes(self) -> int:
+        return sum(slot.nbytes() for slot in self.slots)
+
+    def describe(self) -> dict:
+        """Slots in use, their held tokens and bytes (for /health and info)."""
+        return {"slots": len(self.slots), "max_slots": self.max_slots, "bytes": self.nbytes(),
+                "held_tokens": [len(s.tokens) for s in self.slots]}
