@@ -1,0 +1,190 @@
+"""Invariant: reusing a conversation's cached prefix changes how much is prefilled, never a token.
+
+- A later turn that extends an earlier one prefills only its new tokens (``reused_tokens``),
+  and its reply equals a cold start's: greedy plain and speculative, fp32 (both attention
+  graphs) and int4, and seeded plain sampling; speculative sampling keeps the target's
+  distribution (chi-square).
+- The draft model's prefix is kept too: the second turn's catch-up is smaller.
+- A prompt that diverges at token 0 reuses nothing and is still right; an over-long prompt is
+  refused before anything runs and the slot stays usable; a cancelled stream keeps only the
+  committed tokens; a forward that raises drops its slot.
+- Several conversations each find their own slot by longest prefix (LRU eviction past the
+  count); ``prefill`` pushes a known prefix ahead of the request.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPT_IDS
+
+SYSTEM = list(range(30, 70))  # a 40-token "system prompt"
+TURNS = [list(range(80, 86)), list(range(90, 97)), list(range(100, 104))]
+
+
+def _conversation(gen, **options):
+    """Run three turns, each prompt = the whole history so far + the next user turn."""
+    history, replies = list(SYSTEM), []
+    for turn in TURNS:
+        history += turn
+        out = gen.generate(input_ids=history, max_new_tokens=12, **options)
+        replies.append(out)
+        history += out.token_ids
+    return replies
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_model, export):
+    from specedge.runtime.generator import Generator
+
+    def make(bundle, **kw):
+        return Generator.from_bundle(bundle, threads=1, **kw)
+
+    return make
+
+
+@pytest.mark.parametrize("attention", ["gqa", "standard"])
+@pytest.mark.parametrize("speculation", [dict(speculation=False), dict(drafter="model", draft_tokens=3,
+                                                                        adaptive=False)],
+                         ids=["plain", "model-k3"])
+def test_later_turns_reuse_the_prefix_and_reply_as_a_cold_start(attention, speculation, tiny_model, export, fresh):
+    folder = tiny_model("llama")
+    bundle = export(folder, draft=folder, attention=attention)
+    warm = _conversation(fresh(bundle), **speculation)
+    cold = _conversation(fresh(bundle), reuse_prefix=False, **speculation)
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    assert warm[0].stats.reused_tokens == 0
+    for turn, reply in enumerate(warm[1:], 1):
+        # Everything but the new user turn (and the last reply token, never fed) was held.
+        assert reply.stats.reused_tokens >= len(SYSTEM) + sum(map(len, TURNS[:turn])), turn
+    assert all(r.stats.reused_tokens == 0 for r in cold)
+    if speculation.get("drafter") == "model":
+        assert warm[2].stats.catchup_tokens < cold[2].stats.catchup_tokens
+
+
+def test_int4_reuse_is_exact_too(int4_bundle, fresh):
+    options = dict(drafter="model", draft_tokens=4, adaptive=False)
+    assert [r.token_ids for r in _conversation(fresh(int4_bundle), **options)] == \
+           [r.token_ids for r in _conversation(fresh(int4_bundle), reuse_prefix=False, **options)]
+
+
+def test_seeded_plain_sampling_with_reuse_equals_a_cold_start(self_spec_bundle, fresh):
+    """The target's logits are bit-identical with reuse, so a seeded plain sample is too."""
+    options = dict(temperature=0.9, seed=7, speculation=False)
+    assert [r.token_ids for r in _conversation(fresh(self_spec_bundle), **options)] == \
+           [r.token_ids for r in _conversation(fresh(self_spec_bundle), reuse_prefix=False, **options)]
+
+
+def test_speculative_sampling_with_reuse_keeps_the_target_distribution(sampling_pair):
+    """The draft is not batch-invariant, so its reused prefix moves p_draft in the low bits: a seed
+    no longer pins the sample, but the rejection rule keeps the target's distribution."""
+    from distribution import assert_same_distribution, token_counts
+
+    prompt = [6, 7, 8, 9, 10, 11, 12, 13]
+    plain = token_counts(sampling_pair, prompt, 400, 16, speculation=False, reuse_prefix=False)
+    assert sampling_pair.generate(input_ids=prompt, max_new_tokens=2, draft_tokens=2,
+                                  adaptive=False).stats.reused_tokens == len(prompt) - 1
+    warm = token_counts(sampling_pair, prompt, 400, 16, draft_tokens=2, adaptive=False)
+    assert_same_distribution(plain, warm)
+
+
+def test_a_prompt_that_diverges_at_token_0_reuses_nothing(llama_bundle, fresh, load_generator):
+    gen = fresh(llama_bundle)
+    gen.generate(input_ids=PROMPT_IDS, max_new_tokens=4, speculation=False)
+    other = [7] + PROMPT_IDS[1:]
+    out = gen.generate(input_ids=other, max_new_tokens=8, speculation=False)
+    assert out.stats.reused_tokens == 0
+    assert out.token_ids == fresh(llama_bundle).generate(input_ids=other, max_new_tokens=8,
+                                                          speculation=False).token_ids
+
+
+def test_an_over_long_prompt_is_refused_and_the_slot_stays_usable(llama_bundle, fresh):
+    from specedge.errors import ContextOverflowError
+
+    gen = fresh(llama_bundle)
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=4, speculation=False)
+    with pytest.raises(ContextOverflowError):
+        gen.generate(input_ids=PROMPT_IDS * 20, max_new_tokens=4, speculation=False)
+    again = gen.generate(input_ids=PROMPT_IDS + first.token_ids, max_new_tokens=4, speculation=False)
+    assert again.stats.reused_tokens == len(PROMPT_IDS) + len(first.token_ids) - 1
+
+
+def test_a_cancelled_stream_keeps_only_committed_tokens(self_spec_bundle, fresh):
+    gen = fresh(self_spec_bundle)
+    stream = gen.stream(input_ids=PROMPT_IDS, max_new_tokens=40, drafter="model", draft_tokens=4, adaptive=False)
+    next(stream)
+    stream.cancel()
+    for _ in stream:
+        pass
+    committed = stream.result.token_ids
+    assert stream.result.finish_reason == "cancelled" and len(committed) < 40
+    slot = gen.slots.slots[0]
+    assert slot.tokens == (PROMPT_IDS + committed)[:len(slot.tokens)]
+    assert slot.target_kv.length == len(slot.tokens) <= len(PROMPT_IDS) + len(committed)
+    prompt = PROMPT_IDS + committed
+    warm = gen.generate(input_ids=prompt, max_new_tokens=10, speculation=False)
+    assert warm.token_ids == fresh(self_spec_bundle).generate(input_ids=prompt, max_new_tokens=10,
+                                                              speculation=False).token_ids
+
+
+def test_a_forward_that_raises_drops_its_slot(llama_bundle, fresh, monkeypatch):
+    gen = fresh(llama_bundle)
+    gen.generate(input_ids=PROMPT_IDS, max_new_tokens=4, speculation=False)
+    calls = {"n": 0}
+    original = gen.target.inner.forward
+
+    def flaky(ids, kv, num_logits=1):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return original(ids, kv, num_logits)
+
+    monkeypatch.setattr(gen.target.inner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="device lost"):
+        gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8, speculation=False)
+    assert gen.slots.slots[0].tokens == [] and gen.slots.slots[0].target_kv.length == 0
+    monkeypatch.setattr(gen.target.inner, "forward", original)
+    out = gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8, speculation=False)
+    assert out.stats.reused_tokens == 0
+    assert out.token_ids == fresh(llama_bundle).generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8,
+                                                          speculation=False).token_ids
+
+
+def test_conversations_find_their_own_slots(llama_bundle, fresh):
+    gen = fresh(llama_bundle, cache_slots=2)
+    a, b = list(range(30, 60)), list(range(150, 180))
+    ra = gen.generate(input_ids=a, max_new_tokens=6, speculation=False)
+    rb = gen.generate(input_ids=b, max_new_tokens=6, speculation=False)
+    assert len(gen.slots.slots) == 2
+    for prompt, reply in ((a, ra), (b, rb)):
+        nxt = prompt + reply.token_ids + [7, 8]
+        out = gen.generate(input_ids=nxt, max_new_tokens=6, speculation=False)
+        assert out.stats.reused_tokens == len(prompt) + len(reply.token_ids) - 1
+        assert out.token_ids == fresh(llama_bundle).generate(input_ids=nxt, max_new_tokens=6,
+                                                              speculation=False).token_ids
+    # A third conversation evicts the least recently used slot (a's), never b's.
+    gen.generate(input_ids=list(range(200, 220)), max_new_tokens=4, speculation=False)
+    assert gen.generate(input_ids=b + rb.token_ids + [7, 8] , max_new_tokens=2,
+                        speculation=False).stats.reused_tokens > len(b)
+
+
+def test_prefill_ahead_leaves_only_the_tail_to_compute(llama_bundle, fresh):
+    gen = fresh(llama_bundle)
+    known = SYSTEM + TURNS[0]
+    report = gen.prefill(input_ids=known)
+    assert report == {**report, "prompt_tokens": len(known), "reused_tokens": 0, "computed_tokens": len(known)}
+    assert gen.prefill(input_ids=known)["computed_tokens"] == 0
+    out = gen.generate(input_ids=known + [5, 6], max_new_tokens=6, speculation=False)
+    assert out.stats.reused_tokens == len(known)
+    assert out.token_ids == fresh(llama_bundle).generate(input_ids=known + [5, 6], max_new_tokens=6,
+                                                          speculation=False).token_ids
+
+
+def test_cache_limits_are_checked(llama_bundle):
+    from specedge.errors import InvalidParameterError
+    from specedge.runtime.generator import Generator
+
+    with pytest.raises(InvalidParameterError, match="cache_slots must be an integer >= 1"):
+        Generator.from_bundle(llama_bundle, cache_slots=0)
+    with pytest.raises(InvalidParameterError, match="cannot hold one slot"):
+        Generator.from_bundle(llama_bundle, cache_memory=1000)
