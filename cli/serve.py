@@ -35,11 +35,17 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 @click.option("--shutdown-grace", type=click.FloatRange(0, 3600), default=5.0, show_default=True,
               help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
               "Queued and new requests get 503 at once.")
+@click.option("--cache-slots", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Conversations whose KV caches are kept between requests; a request continuing one prefills "
+              "only its new tokens (least recently used evicted first).")
+@click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="MB the conversation caches may take (default: --cache-slots alone decides).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
           max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
-          no_verify_checksums: bool, shutdown_grace: float, log_level: str) -> None:
+          no_verify_checksums: bool, shutdown_grace: float, cache_slots: int, cache_memory: float | None,
+          log_level: str) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
 
     \b
@@ -70,7 +76,9 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
         server_log.addHandler(handler)
     server_log.setLevel(log_level.upper())
     generator = Generator.from_bundle(bundle, provider=provider, threads=threads,
-                                      verify_checksums=not no_verify_checksums, load_draft=not no_speculation)
+                                      verify_checksums=not no_verify_checksums, load_draft=not no_speculation,
+                                      cache_slots=cache_slots,
+                                      cache_memory=None if cache_memory is None else int(cache_memory * 1e6))
     app = create_app(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name, speculation=not no_speculation, warmup=not no_warmup)
     SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),

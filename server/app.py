@@ -173,7 +173,8 @@ class _Server:
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": self.model_name, "speculation": self.speculation,
                              "drafter": self.generator.manifest.speculation.drafter
-                             if self.speculation else "none", **self.worker.status()})
+                             if self.speculation else "none", **self.worker.status(),
+                             "cache": self.generator.slots.describe()})
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specedge",
@@ -218,6 +219,23 @@ class _Server:
         if result is None:  # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
         return JSONResponse(protocol.completion_body(req, result, job.queue_s), headers=headers)
+
+    async def prefill(self, request: Request) -> JSONResponse:
+        """POST /v1/specedge/prefill: a chat-completions body whose conversation is pushed into a cache
+        slot ahead of the real request (e.g. on each interim speech-to-text result). Answers 202 at
+        once; the prefill runs when no generation waits."""
+        self._authorize(request)
+        self._refuse_if_draining()
+        raw = await self._body(request)
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self.parse_pool, self._parse, "chat", raw)
+        job = Job(loop, req.prompt_ids, req.config, name=req.id, prefill=True)
+        try:
+            self.worker.submit_prefill(job)
+        except ShuttingDown as exc:
+            raise protocol.api_error_from(exc) from None
+        return JSONResponse({"object": "specedge.prefill", "status": "queued", "prompt_tokens": len(req.prompt_ids)},
+                            status_code=202, headers={"x-request-id": req.id})
 
     async def _stream(self, req: ParsedRequest, job: Job):
         """SSE body: deltas as blocks commit, a finishing chunk, optional usage, ``[DONE]``."""
@@ -317,6 +335,7 @@ def create_app(generator: Generator, *, api_key: str | None = None, queue_size: 
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/specedge/prefill", server.prefill, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})

@@ -357,7 +357,7 @@ def speculation_stats(result: GenerationResult, queue_s: float = 0.0) -> dict:
             # the draft's one-off catch-up (its prompt prefill, bounded by draft_window), and the
             # steps run plain because it would not have paid off in this reply
             "catchup_s": round(s.catchup_s, 5), "catchup_tokens": s.catchup_tokens,
-            "catchup_deferred": s.catchup_deferred}
+            "catchup_deferred": s.catchup_deferred, "reused_tokens": s.reused_tokens}
 
 
 def completion_body(req: ParsedRequest, result: GenerationResult, queue_s: float = 0.0) -> dict:

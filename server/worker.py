@@ -41,8 +41,10 @@ class Job:
     """One admitted request: what to generate, and the channel its events go back on."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], config: GenerationConfig,
-                 name: str = "") -> None:
+                 name: str = "", prefill: bool = False) -> None:
         self.prompt_ids = prompt_ids
+        # A prefill-ahead job (POST /v1/specedge/prefill): fills a conversation slot, generates nothing.
+        self.prefill = prefill
         self.config = config
         self.name = name  # the request id, for logs
         self.events: asyncio.Queue = asyncio.Queue()
@@ -89,6 +91,9 @@ class GenerationWorker:
         self.generator = generator
         self.queue_size = queue_size
         self._pending: deque[Job] = deque()
+        # Prefill-ahead jobs wait apart and run only when no generation waits: a real request always
+        # goes first. Bounded like the queue; a newer partial transcript pushes out the oldest.
+        self._prefills: deque[Job] = deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
         self._thread: threading.Thread | None = None
@@ -163,6 +168,19 @@ class GenerationWorker:
             self._pending.append(job)
             self._cond.notify()
 
+    def submit_prefill(self, job: Job) -> None:
+        """Queue a prefill-ahead job behind every generation; the oldest waiting prefill is dropped
+        when ``queue_size`` of them wait (it would only fill a slot a newer one refills)."""
+        self.start()
+        with self._cond:
+            if self._draining or self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._prefills) >= max(self.queue_size, 1):
+                self._prefills.popleft()
+                self.counters["cancelled"] += 1
+            self._prefills.append(job)
+            self._cond.notify()
+
     def cancel(self, job: Job) -> None:
         """The client left: free its slot now if it waits, stop it at the next block if it runs.
 
@@ -178,18 +196,19 @@ class GenerationWorker:
 
     def status(self) -> dict:
         with self._cond:
-            return {"busy": self._running is not None, "waiting": len(self._pending), "draining": self._draining,
+            return {"busy": self._running is not None, "waiting": len(self._pending),
+                    "waiting_prefills": len(self._prefills), "draining": self._draining,
                     "queue_size": self.queue_size, **self.counters}
 
     # ----------------------------------------------------------------- the thread
     def _serve(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stopping:
+                while not self._pending and not self._prefills and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._pending.popleft()
+                job = self._pending.popleft() if self._pending else self._prefills.popleft()
                 self._running = job
             outcome = "failed"
             try:
@@ -206,6 +225,8 @@ class GenerationWorker:
             if self._draining:  # cut by a shutdown before its first step: its client is still waiting
                 job._emit("error", ShuttingDown("the server is shutting down; this request was not started"))
             return "cancelled"
+        if job.prefill:
+            return self._run_prefill(job)
         try:
             stream = self.generator.stream(input_ids=job.prompt_ids, config=job.config)
             job._stream = stream
@@ -230,4 +251,16 @@ class GenerationWorker:
         log.info("%s: %d+%d tokens, queue %.0f ms, TTFT %.0f ms, %.1f tok/s, drafter %s, acceptance %.2f",
                  job.name, len(result.prompt_ids), len(result.token_ids), job.queue_s * 1e3,
                  s.time_to_first_token_s * 1e3, s.tokens_per_s, s.drafter, s.acceptance)
+        return "completed"
+
+    def _run_prefill(self, job: Job) -> str:
+        try:
+            report = self.generator.prefill(input_ids=job.prompt_ids, config=job.config)
+        except Exception as exc:  # nobody waits on a prefill: log it, serve the next job
+            log.error("prefill %s failed: %s", job.name, exc)
+            job._emit("error", exc)
+            return "failed"
+        log.info("%s: prefilled %d tokens (%d reused) in %.0f ms", job.name, report["computed_tokens"],
+                 report["reused_tokens"], report["seconds"] * 1e3)
+        job._emit("done", report)
         return "completed"

@@ -602,3 +602,23 @@ def test_serve_command_reports_a_missing_bundle_in_one_line(tmp_path):
 
     result = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output
+
+
+# ----------------------------------------------------------------------------- conversation caches
+def test_prefill_ahead_then_the_request_reuses_it(served, gen):
+    """POST /v1/specedge/prefill fills a slot (202 at once); the request then prefills only its tail."""
+    messages = _chat("t40 t41 t42 t43")
+    before = served.health()["completed"]
+    response = served.post("/v1/specedge/prefill", {"model": MODEL, "messages": messages})
+    assert response.status_code == 202 and response.json()["status"] == "queued"
+    state = served.wait_for(lambda s: s["completed"] > before and s["waiting_prefills"] == 0)
+    assert state["cache"]["slots"] >= 1 and max(state["cache"]["held_tokens"]) > 0
+    body = served.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4,
+                                                "temperature": 0}).json()
+    assert body["specedge"]["reused_tokens"] == body["usage"]["prompt_tokens"] - 1
+    cold = gen.generate(messages=messages, max_new_tokens=4, reuse_prefix=False).text
+    assert body["choices"][0]["message"]["content"] == cold
+
+
+def test_prefill_needs_the_api_key(served):
+    assert served.post("/v1/specedge/prefill", {"model": MODEL, "messages": _chat("t1")}, key=None).status_code == 401
