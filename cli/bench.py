@@ -223,3 +223,48 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
 
     sys.exit(split.run(bundle, prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
                        draft_tokens=draft_tokens))
+
+
+@bench.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--configs", default=",".join(("cold", "reuse", "reuse+prefill")), show_default=True,
+              help="Comma list of cold (every turn prefills the whole history), reuse (the conversation's cache "
+              "is kept) and reuse+prefill (the history is also pushed before each turn, as on interim "
+              "transcripts).")
+@click.option("--conversation", "conversation_file", type=click.Path(path_type=Path), default=None,
+              help="A conversation JSON ({'system': ..., 'turns': [...]}); default: the shipped voice-agent call.")
+@click.option("--turns", type=click.IntRange(1, 64), default=None, help="Replay only the first N user turns.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=48, show_default=True)
+@click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
+@click.option("--no-speculation", is_flag=True, help="Plain decoding in every configuration.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-turn records and summary as JSON.")
+def conversation(bundle, configs, conversation_file, turns, max_new_tokens, threads, no_speculation,
+                 as_json) -> None:
+    """A voice-agent call turn by turn: time to first token with and without conversation cache reuse.
+
+    Replays bench/prompts/conversation.json (a long system prompt, ten user turns; each reply is
+    appended to the history) on one Generator per configuration, turn by turn interleaved.
+    """
+    import json
+
+    from ..bench.conversation import format_report, load_conversation, run_conversation
+    from ..runtime.generator import Generator
+
+    names = _csv(configs) or ()
+    from ..bench.conversation import CONFIGS
+
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise click.BadParameter(f"unknown conversation configuration(s) {unknown}; known: {', '.join(CONFIGS)}",
+                                 param_hint="--configs")
+    talk = load_conversation(conversation_file) if conversation_file else load_conversation()
+    if turns:
+        talk = replace(talk, turns=talk.turns[:turns])
+    generators = {}
+    for name in names:
+        generators[name] = Generator.from_bundle(bundle, threads=threads)
+        generators[name].warmup(tune=False)
+    with click.progressbar(length=len(names) * len(talk.turns), label="conversation", file=sys.stderr) as bar:
+        report = run_conversation(generators, talk, max_new_tokens=max_new_tokens,
+                                  speculation=not no_speculation, progress=lambda *_: bar.update(1))
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report))
