@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -93,32 +93,6 @@ class TextStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_text(text, where: str) -> None:
-    """Refuse what is not a str, or not encodable text: a lone surrogate (how Python carries
-    undecodable bytes, e.g. from a non-UTF-8 argv or a JSON "\\ud800" escape) has no UTF-8 form."""
-    if not isinstance(text, str):
-        raise InvalidParameterError(f"{where} must be a string; got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidParameterError(f"{where} is not valid text: it holds a lone surrogate at index {exc.start} "
-                                    "(invalid UTF-8 in the input?)") from None
-
-
-def _checked_messages(messages) -> list[dict]:
-    """``messages`` must be a non-empty list; each message's shape is the codec's to check
-    (TextCodec.render_chat), its text is checked here."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise InvalidParameterError(f"messages must be a non-empty list of {{role, content}} objects; got "
-                                    f"{type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if isinstance(m, Mapping):
-            for key in ("role", "content"):
-                if isinstance(m.get(key), str):
-                    _check_text(m[key], f"messages[{i}].{key}")
-    return list(messages)
 
 
 class Generator:
@@ -202,9 +176,10 @@ class Generator:
                 raise InvalidParameterError(f"input_ids holds ids outside [0, {self.manifest.target.vocab_size}): "
                                             f"{bad[:5]}")
         elif messages is not None:
-            ids = self.codec.encode_chat(_checked_messages(messages), allow_special_tokens=allow_special_tokens)
+            ids = self.codec.encode_chat(messages, allow_special_tokens=allow_special_tokens)
         else:
-            _check_text(prompt, "prompt")
+            if not isinstance(prompt, str):
+                raise InvalidParameterError(f"prompt must be a string; got {type(prompt).__name__}")
             if chat and self.codec.chat_template:
                 ids = self.codec.encode_chat([{"role": "user", "content": prompt}],
                                              allow_special_tokens=allow_special_tokens)

@@ -179,12 +179,13 @@ def test_generation_that_reaches_max_context_stops_cleanly(gen, overrides):
 
 
 BAD_INPUTS = [
-    (dict(messages=5), r"messages must be a non-empty list of \{role, content\} objects; got int"),
+    (dict(messages=5), r"messages must be a non-empty list of \{'role': ..., 'content': ...\} objects"),
     (dict(messages=[5]), r"messages\[0\] must be an object with string 'role' and 'content'"),
     (dict(messages=[{"role": "user", "content": 7}]), r"messages\[0\] must be an object with string 'role' and "),
-    (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\].content is not valid text: it "
-                                                                 r"holds a lone surrogate at index 3"),
-    (dict(prompt="caf\udce9"), r"prompt is not valid text: it holds a lone surrogate at index 3"),
+    (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\].content is not valid Unicode "
+                                                                 r"text: surrogates not allowed at character 3"),
+    (dict(prompt="caf\udce9", chat=False), r"prompt is not valid Unicode text: surrogates not allowed at "
+                                           r"character 3"),
     (dict(prompt=b"bytes"), r"prompt must be a string; got bytes"),
     (dict(input_ids=["a"]), r"input_ids must hold integers \(token ids\); got 'a'"),
     (dict(input_ids=[1.7]), r"input_ids must hold integers \(token ids\); got 1.7"),
