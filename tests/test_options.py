@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specedge.bench.configs import SPEC_DRAFTERS, parse_config_name
 from specedge.errors import InvalidParameterError
@@ -63,3 +65,24 @@ def test_check_names_where_the_value_came_from(name, value, where, match):
 def test_check_normalises_a_single_stop_string():
     assert check("stop", "###") == ("###",)
     assert GenerationConfig(stop=["a", "b"]).stop == ("a", "b")
+
+
+# Any JSON-ish value (and a few Python ones a caller may pass) for any field.
+_ANY = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                max_size=2), max_leaves=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_random_values_for_every_field_give_a_config_or_a_typed_error(data):
+    """Issue 20: every GenerationConfig field, fed anything, is valid or InvalidParameterError."""
+    values = {name: data.draw(_ANY, label=name) for name in data.draw(st.sets(st.sampled_from(sorted(OPTIONS)),
+                                                                                min_size=1, max_size=3))}
+    try:
+        config = GenerationConfig(**values)
+    except InvalidParameterError:
+        return
+    for name in values:  # what was accepted has the declared type (ints are valid floats)
+        kind = (int, float) if OPTIONS[name].kind is float else OPTIONS[name].kind
+        assert getattr(config, name) is None or isinstance(getattr(config, name), kind), name
