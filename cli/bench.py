@@ -234,7 +234,8 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
 @click.option("--conversation", "conversation_file", type=click.Path(path_type=Path), default=None,
               help="A conversation JSON ({'system': ..., 'turns': [...]}); default: the shipped voice-agent call.")
 @click.option("--turns", type=click.IntRange(1, 64), default=None, help="Replay only the first N user turns.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=48, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=48, show_default=True,
+              help="Reply length per turn (tokens; a voice reply is 20-60).")
 @click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding in every configuration.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-turn records and summary as JSON.")
