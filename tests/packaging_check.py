@@ -34,12 +34,16 @@ REQUIRED_PACKAGES = ("runtime", "engines", "export", "cli", "server", "bench")
 # Package data: the only non-Python files in the wheel, as globs relative to specedge/.
 PACKAGE_DATA = ("bench/prompts/*.json",)
 # Modules that need an optional extra at import time: module -> the top-level package it needs.
+# A package listed here cannot be imported, so its submodules are not walked either.
 # Everything else must import with the edge install: the base dependencies (numpy, tokenizers,
 # click, jinja2) and the cpu extra (onnxruntime).
 NEEDS_EXTRA = {
     "specedge.export.graph": "onnx",  # [export]: builds ONNX graphs
+    "specedge.export.families": "onnx",  # [export]: one graph builder per model family (the package)
+    "specedge.export.features": "onnx",  # [export]: checks a checkpoint against the families
     "specedge.export.weights": "onnx",  # [export]
     "specedge.server.app": "starlette",  # [serve]
+    "specedge.server.serving": "uvicorn",  # [serve]: runs the app
 }
 # What the sdist needs so that `python -m pytest` runs in it.
 SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "setup.py", "tests/conftest.py", "tests/tiny_models.py",
