@@ -1,7 +1,8 @@
 """Drafters, and the registry that names them.
 
 Adding a drafter is one new module in runtime/ (a class meeting :class:`Drafter` and a
-``build(config, draft)`` function) plus one entry in :data:`DRAFTERS`. The CLI's
+``build(config, draft)`` function, or ``build(config, draft, replies)`` for a drafter that
+reads the Generator's cross-reply memory) plus one entry in :data:`DRAFTERS`. The CLI's
 ``--drafter`` choices, the server's ``specedge.drafter``, the bench's configuration
 names and the manifest's ``speculation.drafter`` all read their names from it.
 
@@ -18,24 +19,34 @@ from typing import Callable
 from .drafting import DraftModel, Drafter, DrafterSpec
 
 
-def _built_by(module: str) -> Callable:
-    """The ``build(config, draft)`` of runtime/<module>.py, imported on first use."""
-    def build(config, draft):
-        return importlib.import_module(f"{__package__}.{module}").build(config, draft)
+def _entry(module: str, *, needs_draft_model: bool, help: str, reads_replies: bool = False) -> DrafterSpec:
+    """The registry entry of runtime/<module>.py, whose ``build`` is imported on first use. Its
+    ``build(config, draft)`` gets ``replies`` as a third argument only when ``reads_replies``."""
+    def build(config, draft, replies):
+        make = importlib.import_module(f"{__package__}.{module}").build
+        return make(config, draft, replies) if reads_replies else make(config, draft)
 
-    return build
+    return DrafterSpec(build, needs_draft_model=needs_draft_model, reads_replies=reads_replies, help=help)
 
 NO_DRAFTER = "none"  # speculation off: every step is a plain target step
 
 DRAFTERS: dict[str, DrafterSpec] = {
-    "model": DrafterSpec(_built_by("model_drafter"), needs_draft_model=True,
-                         help="the bundle's draft model proposes (best on free-form text)"),
-    "ngram": DrafterSpec(_built_by("ngram_drafter"), needs_draft_model=False,
-                         help="prompt lookup: continue an earlier occurrence of the last tokens (code, quoting)"),
-    "composite": DrafterSpec(_built_by("composite_drafter"), needs_draft_model=True,
-                             help="prompt lookup when the text repeats itself, else the draft model"),
+    "model": _entry("model_drafter", needs_draft_model=True,
+                    help="the bundle's draft model proposes (best on free-form text)"),
+    "ngram": _entry("ngram_drafter", needs_draft_model=False,
+                    help="prompt lookup: continue an earlier occurrence of the last tokens (code, quoting)"),
+    "composite": _entry("composite_drafter", needs_draft_model=True,
+                        help="prompt lookup when the text repeats itself, else the draft model"),
+    "suffix": _entry("suffix_drafter", needs_draft_model=False, reads_replies=True,
+                     help="suffix lookup over the prompt, the output and earlier replies (agents, read-backs)"),
 }
 DRAFTER_CHOICES = (NO_DRAFTER, *DRAFTERS)  # what --drafter, specedge.drafter and the manifest accept
+
+
+def reads_replies(name: str) -> bool:
+    """Whether drafter ``name`` (a DRAFTER_CHOICES value) reads the cross-reply memory (so finished
+    replies are fed to it)."""
+    return name in DRAFTERS and DRAFTERS[name].reads_replies
 
 
 def needs_draft_model(name: str) -> bool:
@@ -43,7 +54,8 @@ def needs_draft_model(name: str) -> bool:
     return name in DRAFTERS and DRAFTERS[name].needs_draft_model
 
 
-_CLASSES = {"ModelDrafter": "model_drafter", "NGramDrafter": "ngram_drafter", "CompositeDrafter": "composite_drafter"}
+_CLASSES = {"ModelDrafter": "model_drafter", "NGramDrafter": "ngram_drafter", "CompositeDrafter": "composite_drafter",
+            "SuffixDrafter": "suffix_drafter"}
 
 
 def __getattr__(name: str):
@@ -53,4 +65,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DRAFTERS", "DRAFTER_CHOICES", "NO_DRAFTER", "DraftModel", "Drafter", "DrafterSpec", "needs_draft_model"]
+__all__ = ["DRAFTERS", "DRAFTER_CHOICES", "NO_DRAFTER", "DraftModel", "Drafter", "DrafterSpec", "needs_draft_model",
+           "reads_replies"]

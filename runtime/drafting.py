@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the re
 
     from ..engines.base import Engine, KVCache
     from .options import GenerationConfig
+    from .suffix import ReplyMemory
     from .verify import Proposal
 
 
@@ -72,6 +73,10 @@ class DraftModel:
 class DrafterSpec:
     """One registry entry: how to build a drafter and what it needs."""
 
-    build: Callable[["GenerationConfig", DraftModel | None], Drafter]  # draft is not None when needs_draft_model
+    # build(config, draft, replies): draft is not None when needs_draft_model; replies (the
+    # Generator's ReplyMemory, runtime/suffix.py) is None unless reads_replies and the call's
+    # reply_memory option is on.
+    build: Callable[["GenerationConfig", DraftModel | None, "ReplyMemory | None"], Drafter]
     needs_draft_model: bool  # the only place this rule is stated
     help: str  # one line, shown by the CLI
+    reads_replies: bool = False  # drafts from earlier replies too: the Generator feeds it each finished reply

@@ -35,7 +35,7 @@ from . import costs as step_costs
 from . import loop
 from . import profile as cost_profile
 from .controller import AdaptiveK, Controller, FixedK
-from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model
+from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
 from .slots import CacheSlot, SlotPool
@@ -222,7 +222,9 @@ class Generator:
     def _build_drafter(self, name: str, config: GenerationConfig, slot: CacheSlot) -> Drafter:
         draft = None if self.draft is None else DraftModel(self.draft, slot.draft_kv, self.draft_head_ids,
                                                            self.manifest.target.vocab_size, slot.draft_prefix)
-        return DRAFTERS[name].build(config, draft)
+        # The cross-reply memory is the Generator's (shared by every slot): replies never change tokens.
+        replies = self.memory.replies if reads_replies(name) and config.reply_memory else None
+        return DRAFTERS[name].build(config, draft, replies)
 
     # --------------------------------------------------------------------- the lock
     @contextmanager
@@ -243,7 +245,8 @@ class Generator:
     # --------------------------------------------------------------------- learning
     def forget_replies(self) -> None:
         """Forget what recent replies taught the adaptive controller (draft acceptance, reply
-        lengths), e.g. when this Generator starts serving another kind of traffic. Measured
+        lengths) and the suffix drafter's cross-reply memory (the replies' tokens), e.g. when
+        this Generator starts serving another kind of traffic. Measured
         step costs are kept: they belong to the machine, not to the text."""
         with self._exclusive():
             self.memory.forget_replies()
@@ -358,11 +361,11 @@ class Generator:
                 else:  # the slot keeps exactly the committed tokens its cache holds
                     slot.keep(ids + state.tokens, config.exact)
                 tail = decoder.push([], final=True) if decoder.stopped_at is None else ""
-                self._finish(ids, state, result, decoder, drafter, controller)
+                self._finish(ids, config, state, result, decoder, drafter, controller)
         if tail:
             yield tail
 
-    def _finish(self, ids: list[int], state: loop.LoopResult, result: GenerationResult, decoder: StreamDecoder,
+    def _finish(self, ids: list[int], config: GenerationConfig, state: loop.LoopResult, result: GenerationResult, decoder: StreamDecoder,
                 drafter: Drafter | None, controller: Controller | None) -> None:
         """Map the loop's outcome onto the result, and remember what the reply taught."""
         result.text = decoder.text
@@ -378,6 +381,10 @@ class Generator:
             result.stats.mode_s = dict(learned.mode_s)
             result.stats.catchup_deferred = learned.catchup_deferred
         self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
+        if drafter is not None and reads_replies(drafter.name) and config.reply_memory:
+            self.memory.remember_reply(state.tokens)  # a cancelled reply's committed tokens are text too
+        result.stats.reply_memory_tokens = self.memory.replies.tokens
+        result.stats.reply_memory_bytes = self.memory.replies.approx_nbytes()
 
     def prefill(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                 input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,

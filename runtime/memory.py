@@ -5,6 +5,11 @@ profile) and its per-position acceptance (so the next reply's first, costly catc
 judged on what drafting achieved last time rather than on an optimistic prior). Across
 drafters: recent reply lengths, which tell the controller how much of a reply is still
 to come. Step costs belong to the machine; acceptance and reply lengths to the text.
+
+Cross-reply memory: the replies themselves (a bounded :class:`ReplyMemory`), which the suffix
+drafter drafts from. It lives here, per Generator, so a server (one Generator) shares it
+across conversations and slots: a reply in one conversation can speed up another, but never
+changes its tokens (every proposal is verified by the target).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from .controller import ControllerSnapshot
 from .costs import CostModel
 from .drafters import needs_draft_model
 from .horizon import ReplyLengths
+from .suffix import ReplyMemory
+from .suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
 
 
 class SpeculationMemory:
@@ -23,6 +30,7 @@ class SpeculationMemory:
         self.costs: dict[str, CostModel] = {}
         self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
         self.reply_lengths = ReplyLengths()
+        self.replies = ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS)  # earlier replies' tokens
 
     def costs_for(self, drafter: str) -> CostModel:
         """The drafter's learned step costs, kept across calls (created from the profile on first use)."""
@@ -46,10 +54,16 @@ class SpeculationMemory:
         if reason != "cancelled":
             self.reply_lengths.record(new_tokens, finished=reason in ("stop", "stop_string"))
 
+    def remember_reply(self, tokens: list[int]) -> None:
+        """Add a reply's tokens to the cross-reply memory (evicting the oldest replies past its bound)."""
+        self.replies.add(tokens)
+
     def forget_replies(self) -> None:
-        """Forget what replies taught (acceptance, reply lengths); keep the machine's step costs."""
+        """Forget what replies taught (acceptance, reply lengths, the replies themselves); keep the
+        machine's step costs."""
         self.acceptance.clear()
         self.reply_lengths = ReplyLengths()
+        self.replies.clear()
 
     def use_profile(self, profile: dict | None) -> None:
         """A new measured profile: learned step costs restart from it."""

@@ -176,6 +176,10 @@ class GenerationConfig:
     reuse_prefix: bool = option(True, "Prefill the whole prompt even when a conversation slot holds its "
                                 "beginning (the cold-start baseline).", bool, cli=("--no-prefix-reuse",),
                                 invert=True, server=True)
+    # The suffix drafter also drafts from this Generator's earlier replies (per server, shared by
+    # every conversation): speed only, the tokens are unchanged. Off: it neither reads nor records them.
+    reply_memory: bool = option(True, "Do not draft from (or remember) earlier replies (the suffix drafter's "
+                                "cross-reply memory).", bool, cli=("--no-reply-memory",), invert=True, server=True)
     exact: bool = option(True, "1-row plain steps: faster on int4 CPU bundles, but greedy speculation may then "
                          "differ from plain decoding at near ties.", bool, cli=("--inexact-steps",), invert=True)
 

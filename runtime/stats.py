@@ -31,6 +31,8 @@ class GenerationStats:
     catchup_s: float = 0.0  # draft time spent reading history it had not seen (counted in draft_s)
     catchup_tokens: int = 0  # tokens fed in those catch-ups (the draft's prefill, bounded by its window)
     catchup_deferred: int = 0  # steps run plain because the draft's catch-up would not have paid off
+    reply_memory_tokens: int = 0  # the Generator's cross-reply memory after this reply: tokens held
+    reply_memory_bytes: int = 0  # ... and its approximate size in bytes (SuffixTrie.approx_nbytes)
 
     @property
     def acceptance(self) -> float:
