@@ -365,8 +365,8 @@ class Generator:
         if tail:
             yield tail
 
-    def _finish(self, ids: list[int], config: GenerationConfig, state: loop.LoopResult, result: GenerationResult, decoder: StreamDecoder,
-                drafter: Drafter | None, controller: Controller | None) -> None:
+    def _finish(self, ids: list[int], config: GenerationConfig, state: loop.LoopResult, result: GenerationResult,
+                decoder: StreamDecoder, drafter: Drafter | None, controller: Controller | None) -> None:
         """Map the loop's outcome onto the result, and remember what the reply taught."""
         result.text = decoder.text
         result.token_ids = list(state.tokens)
