@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from specedge.bench import metrics
 from specedge.bench.configs import BenchConfig, expand_configs, parse_config_name
 from specedge.bench.progress import Progress
+from specedge.runtime.drafters import DRAFTERS
 from specedge.bench.report import check_schema, clean, plot, render_markdown, to_json, write_results
 from specedge.bench.runner import RunRecord, check_outputs
 from specedge.bench.suite import CATEGORIES, SUITE_PATH, load_suite
@@ -135,9 +136,12 @@ def test_config_names_and_expansion():
     with pytest.raises(InvalidParameterError, match="unknown bench configuration"):
         parse_config_name("medusa-k4")
     configs, notes = expand_configs(None, has_draft=True, max_draft_tokens=8)
-    assert configs[0].name == "baseline" and len(configs) == 1 + 3 * 5
+    assert configs[0].name == "baseline" and len(configs) == 1 + len(DRAFTERS) * 5  # k 2/4/6/8 + adaptive each
     configs, notes = expand_configs(None, has_draft=False, max_draft_tokens=8)
-    assert [c.name for c in configs] == ["baseline", "ngram-k2", "ngram-k4", "ngram-k6", "ngram-k8", "ngram-adaptive"]
+    assert [c.name for c in configs] == ["baseline"] + [
+        f"{d}-{k}" for d in DRAFTERS if not DRAFTERS[d].needs_draft_model
+        for k in ("k2", "k4", "k6", "k8", "adaptive")]
+    assert "suffix-k4" in [c.name for c in configs]
     assert any("no draft model" in n for n in notes)
     configs, notes = expand_configs("model-k6,ngram-k2", has_draft=True, max_draft_tokens=4)
     assert [c.name for c in configs] == ["baseline", "ngram-k2"] and "max_draft_tokens" in notes[0]
@@ -251,7 +255,7 @@ def test_quick_bench_runs_every_config_on_every_workload_without_failures(quick_
     result, doc, _ = quick_run
     assert result.exit_code == 0, result.output
     check_schema(doc)
-    expected = {"baseline"} | {f"{d}-{v}" for d in ("model", "ngram", "composite") for v in ("k4", "adaptive")}
+    expected = {"baseline"} | {f"{d}-{v}" for d in DRAFTERS for v in ("k4", "adaptive")}
     assert set(doc["settings"]["configs"]) == expected
     assert set(doc["workloads"]) == set(CATEGORIES)
     for entry in doc["workloads"].values():

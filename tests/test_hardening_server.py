@@ -265,7 +265,7 @@ _fields = {
     "n": st.one_of(st.integers(0, 3), _json),
     "specedge": st.one_of(st.fixed_dictionaries({}, optional={
         "speculation": st.one_of(st.booleans(), _json), "drafter": st.one_of(st.sampled_from(
-            ["none", "model", "ngram", "composite"]), _json),
+            ["none", "model", "ngram", "composite", "suffix"]), _json),
         "draft_tokens": st.one_of(st.integers(-1, 10), _json), "max_latency_s": st.one_of(st.floats(-1, 70), _json),
         "draft_window": st.one_of(st.integers(-1, 100), _json),
         "allow_special_tokens": st.one_of(st.booleans(), _json)}), _json),
@@ -282,7 +282,7 @@ _valid_fields = {
     "top_k": st.integers(-1, 50), "seed": st.integers(0, 2**32), "stop": st.lists(st.text(max_size=4), max_size=3),
     "stream": st.booleans(), "n": st.just(1), "user": st.text(max_size=5), "frequency_penalty": st.just(0),
     "specedge": st.fixed_dictionaries({}, optional={
-        "speculation": st.booleans(), "drafter": st.sampled_from(["none", "model", "ngram", "composite"]),
+        "speculation": st.booleans(), "drafter": st.sampled_from(["none", "model", "ngram", "composite", "suffix"]),
         "draft_tokens": st.integers(0, 10), "max_latency_s": st.floats(0.001, 60),
         "draft_window": st.integers(0, 100), "allow_special_tokens": st.booleans()}),
 }
