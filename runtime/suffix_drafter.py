@@ -66,15 +66,19 @@ class SuffixDrafter:
     def __init__(self, replies: ReplyMemory | None = None, *, depth: int = DEFAULT_DEPTH,
                  min_prob: float = DEFAULT_MIN_PROB, length_factor: float = DEFAULT_LENGTH_FACTOR,
                  min_match: int = DEFAULT_MIN_MATCH) -> None:
-        if depth < 2 or not 0.0 <= min_prob < 1.0 or length_factor <= 0.0 or not 1 <= min_match < depth:
+        if depth < 2 or not 0.0 <= min_prob < 1.0 or length_factor <= 0.0 or not 1 <= min_match <= depth // 2:
             raise InvalidParameterError(f"suffix drafter needs depth >= 2, 0 <= min_prob < 1, length_factor > 0 "
-                                        f"and 1 <= min_match < depth; got depth={depth}, min_prob={min_prob}, "
+                                        f"and 1 <= min_match <= depth // 2; got depth={depth}, min_prob={min_prob}, "
                                         f"length_factor={length_factor}, min_match={min_match}")
         self.replies = replies
         self.depth = depth
         self.min_prob = min_prob
         self.length_factor = length_factor
         self.min_match = min_match
+        # Match on at most half the depth: a trie walk ends at its depth, so a longer match would
+        # leave too few levels below it for the chain (a 23-token match in a 24-deep trie drafts 1
+        # token per walk); a 12-token match is already strong evidence of a copy.
+        self.max_match = depth // 2
         self.local = SuffixTrie(depth)
         self._appender: Appender = self.local.start()
         self.last_source = "none"  # "local", "replies" or "none": where the last proposal came from
@@ -106,7 +110,7 @@ class SuffixDrafter:
         tokens, probs = list(first.tokens), list(first.probs)
         running = float(np.prod(probs)) if probs else 1.0
         while tokens and len(tokens) < budget:
-            more = best_chain(trie, [*context, *tokens][-self.depth:], budget - len(tokens),
+            more = best_chain(trie, [*context, *tokens][-self.max_match:], budget - len(tokens),
                               min_prob=self.min_prob / running, length_factor=self.length_factor)
             if not more.tokens or more.match_length < self.min_match:
                 break
@@ -117,7 +121,7 @@ class SuffixDrafter:
 
     def best(self, history: np.ndarray, k: int) -> tuple[str, Chain]:
         """(source, chain): the candidate with the most expected accepted tokens (local on a tie)."""
-        context = np.asarray(history[-self.depth:]).tolist()
+        context = np.asarray(history[-self.max_match:]).tolist()
         best = ("none", EMPTY_CHAIN)
         sources = [("local", self.local)] + ([("replies", self.replies.trie)] if self.replies is not None else [])
         for source, trie in sources:
