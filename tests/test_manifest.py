@@ -96,7 +96,7 @@ def test_ill_typed_field_names_the_dotted_field(manifest_json, path, value, want
     ("models.target.n_kv_heads", 3, r"must be a multiple of n_kv_heads"),
     ("models.target.eos_token_ids", [999999], r"eos_token_ids\[0\]' must be a token id in \[0, 300\)"),
     ("models.target.io", {"past_key": "past_key"}, r"'models.target.io.past_key' must contain exactly one '%d'"),
-    ("speculation.drafter", "beam", r"'speculation.drafter' must be one of none, model, ngram, composite"),
+    ("speculation.drafter", "beam", r"'speculation.drafter' must be one of none, model, ngram, composite, suffix"),
     ("speculation.max_draft_tokens", 65, r"must be in \[1, 64\]"),
     ("format", "other-bundle", r"not a specedge bundle"),
 ])
