@@ -401,6 +401,8 @@ class Generator:
                                  allow_special_tokens=config.allow_special_tokens)
         start = time.perf_counter()
         with self._exclusive():
+            # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
+            # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
             slot, reuse = self.slots.acquire(ids + [-1], config.exact, reuse=config.reuse_prefix)
             target = self.target if config.exact else self.target.inner
             slot.target_kv.rewind(slot.target_kv.length - reuse)
