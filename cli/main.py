@@ -213,7 +213,8 @@ def _load_options(fn):
     options = [
         click.option("--threads", type=int, default=0, show_default=True,
                      help="Threads per session (0 = ORT default; at most this machine's CPU count)."),
-        click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True),
+        click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True,
+                     help="Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says which load)."),
         click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load."),
     ]
     for option in reversed(options):
@@ -315,7 +316,8 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Bundle folder (default: the cache's bundles/smollm2-self-int4).")
 @click.option("--prompt", default=DEMO_PROMPT, show_default=False, help="The chat prompt to run.")
-@click.option("--max-new-tokens", type=int, default=96, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True,
+              help="Tokens to generate in each of the two runs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> None:
     """Fetch SmolLM2-135M-Instruct, export fp32 target + int4 self-draft (cached), and compare.

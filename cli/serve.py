@@ -17,7 +17,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. The default is loopback only; 0.0.0.0 exposes the server to the network.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port (0: any free port).")
 @click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* (also $SPECEDGE_API_KEY).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the bundle folder's name).")
@@ -27,7 +28,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               help="Larger request bodies get 413.")
 @click.option("--threads", type=int, default=0, show_default=True,
               help="Threads per ONNX Runtime session (0 = ORT default; at most this machine's CPU count).")
-@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True,
+              help="Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says which load).")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding for every request (the baseline); "
               "the draft model is not loaded.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
@@ -41,7 +43,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 @click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
               help="MB the conversation caches may take (default: --cache-slots alone decides).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
-              show_default=True)
+              show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
           max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
           no_verify_checksums: bool, shutdown_grace: float, cache_slots: int, cache_memory: float | None,
