@@ -353,19 +353,21 @@ class _GqaAttention:
         self.outside: dict[int, tuple[str, str]] = {}  # table -> (cos, sin) [n, 1, rd], gathered by position
         positions = np.arange(max_context, dtype=np.float64)[:, None]
         tables = s.tables()
-        for t in _used_tables(s):
+        for n, t in enumerate(_used_tables(s)):
             table = tables[t]
-            # Rotary tables for every position the cache can hold, in fp64 then cast.
+            # Rotary tables for every position the cache can hold, in fp64 then cast. The first is named
+            # cos_cache / sin_cache: manifest.POSITION_TABLES reads its row count as the graph's position limit.
+            cos_name, sin_name = ("cos_cache", "sin_cache") if n == 0 else (f"cos_cache.{t}", f"sin_cache.{t}")
             angles = positions * np.asarray(table.inv_freq, np.float64)[None, :]  # [max_context, rd/2]
             if (table.rotary_dim // 2) % _GQA_ROTARY_MULTIPLE == 0:
-                self.fused[t] = (b.weight(b.name("cos_cache"), np.cos(angles) * table.scaling),
-                                 b.weight(b.name("sin_cache"), np.sin(angles) * table.scaling))
+                self.fused[t] = (b.weight(cos_name, np.cos(angles) * table.scaling),
+                                 b.weight(sin_name, np.sin(angles) * table.scaling))
             else:
-                angles = np.concatenate([angles, angles], axis=-1)  # [max_context, rd]
+                angles = np.concatenate([angles, angles], axis=-1)  # [max_context, rd]: rows gathered by position
                 self.outside[t] = tuple(
-                    b.one("Unsqueeze", [b.one("Gather", [b.weight(b.name(name), fn(angles) * table.scaling), pos],
-                                              axis=0), b.ints(b.name("ax1r"), [1])])
-                    for name, fn in (("cos_table", np.cos), ("sin_table", np.sin)))
+                    b.one("Unsqueeze", [b.one("Gather", [b.weight(name, fn(angles) * table.scaling), pos], axis=0),
+                                        b.ints(b.name("ax1r"), [1])])
+                    for name, fn in ((cos_name, np.cos), (sin_name, np.sin)))
 
     def __call__(self, w: dict[str, np.ndarray], i: int, q: str, k: str, v: str) -> str:
         """q [n, H*hd], k/v [n, kvh*hd] (projected) -> attention output [n, H*hd]; writes present_key/value.i."""

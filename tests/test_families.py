@@ -16,6 +16,7 @@ from their HF initial values so a dropped term shows; see tiny_models.build_mode
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +271,23 @@ def test_early_exit_self_drafts_validate_for_other_layouts(case, tiny_model, exp
     out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, drafter="model", draft_tokens=4, adaptive=False)
     assert out.token_ids == plain
     assert out.stats.accepted < out.stats.drafted, "a one-layer draft must be corrected at least once"
+
+
+@pytest.mark.parametrize("case", ["phi4-mini-partial-longrope", "gemma3_text"])
+def test_a_manifest_max_context_past_the_graphs_rope_tables_is_refused_at_load(case, tiny_model, export, tmp_path):
+    """Rotary tables built outside GroupQueryAttention, and Gemma 3's second table, keep the position check."""
+    import json
+    import shutil
+
+    from specedge.errors import ManifestError
+    from specedge.manifest import load_manifest
+
+    arch, config = CASES[case]
+    bundle = Path(shutil.copytree(export(tiny_model(arch, seed=SEED, config=config), draft="self-int4",
+                                         attention="gqa", max_context=CONTEXT), tmp_path / "b"))
+    path = bundle / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["models"]["target"]["max_context"] = 2 * CONTEXT
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ManifestError, match=rf"was built for {CONTEXT} positions \(its 'cos_cache' table\)"):
+        load_manifest(bundle)
