@@ -557,7 +557,7 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
 
 
 # Initializers holding one row per position, as export/graph.py names them: the fused-GQA
-# graph's rotary tables (``cos_cache`` or, one per rope table, ``cos_cache_<n>``) and GPT-2's
+# graph's rotary tables (``cos_cache``, and ``cos_cache.<n>`` for further rope tables) and GPT-2's
 # learned position embeddings. A position past their rows fails inside ONNX Runtime
 # mid-generation, so max_context must not exceed them.
 POSITION_TABLES = ("cos_cache", "pos_embed")
@@ -565,10 +565,8 @@ POSITION_TABLES = ("cos_cache", "pos_embed")
 
 def _position_table(name: str) -> str | None:
     """The POSITION_TABLES kind an initializer name is, or None."""
-    base, _, suffix = name.rpartition("_")
-    if name in POSITION_TABLES:
-        return name
-    return base if base in POSITION_TABLES and suffix.isdigit() else None
+    base, _, suffix = name.partition(".")
+    return base if base in POSITION_TABLES and (not suffix or suffix.isdigit()) else None
 
 
 def check_graph_files(bundle: Path, manifest: Manifest) -> None:
