@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from ..bench.suite import CATEGORIES
 from ..runtime.drafters import DRAFTERS
 
 QUICK = {"per_category": 1, "max_new_tokens": 16, "repeats": 1, "warmup_tokens": 4, "micro_reps": 3}
@@ -49,7 +50,7 @@ def bench() -> None:
 
 @bench.command("run")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--workloads", default=None, help="Categories, comma separated: code,chat,grounded,voice,hostile "
+@click.option("--workloads", default=None, help=f"Categories, comma separated: {','.join(CATEGORIES)} "
               "(default: all).")
 @click.option("--prompts", "per_category", type=int, default=None, help="Prompts per category (default: all; "
               "--quick: 1).")
