@@ -27,6 +27,7 @@ legitimately pick another token at a near-tie.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -178,6 +179,18 @@ def _threads(ctx) -> int:
     return ctx.threads or os.cpu_count() or 1
 
 
+# The thread count is the one setting the bench shares with its peers. Where the peer's own
+# default differs from it, its plain configuration also runs at that default, under this suffix,
+# so the report gives our ratio both ways: at the shared setting, and against the peer as its
+# users would run it out of the box.
+OWN_THREADS = "@own-threads"
+
+
+def own_threads_config(config: str, default_threads: int | str) -> str:
+    """``llamacpp-plain`` -> ``llamacpp-plain@own-threads(1)``: the name says what the default was."""
+    return f"{config}{OWN_THREADS}({default_threads})"
+
+
 def _interleaved(jobs: list[Job], configs: list[str], repeats: int):
     """(job, round, config) in the same A B C / C B A order as the specedge runs."""
     for job in jobs:
@@ -208,6 +221,7 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
             notes.append(f"assisted generation skipped: the draft ({manifest.draft.source}) has no HF checkpoint "
                          "(a quantized self-draft has none); pass --hf-draft to use one")
     threads = _threads(ctx)
+    own_threads = torch.get_num_threads()  # torch's default, before the bench sets its own
     torch.set_num_threads(threads)
     log.note(f"peer hf: loading {target_dir.name}" + (f" + assistant {draft_dir.name}" if draft_dir else ""))
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -217,6 +231,10 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
     configs = {"hf-plain": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": k}}
     if assistant is not None:
         configs["hf-assisted"] = {"assistant_model": assistant}
+    thread_counts = {name: threads for name in configs}
+    if own_threads != threads:
+        own = own_threads_config("hf-plain", own_threads)
+        configs[own], thread_counts[own] = {}, own_threads
     eos = list(manifest.target.eos_token_ids)
 
     class Clock(BaseStreamer):
@@ -243,6 +261,7 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
         gc = HFGenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
                                 temperature=None, top_p=None, top_k=None, **extra)
         ids = torch.tensor([job.prompt_ids], dtype=torch.long)
+        torch.set_num_threads(thread_counts[config])
         clock = Clock()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc,
@@ -252,6 +271,7 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
         return PeerRun(job.workload, job.category, config, 0, tokens, times)
 
     info = {"folder": str(target_dir), "draft_folder": str(draft_dir) if draft_dir else None, "threads": threads,
+            "default_threads": own_threads,
             "dtype": "float32", "prompt_lookup_num_tokens": k, "configs": list(configs),
             "transformers": __import__("transformers").__version__, "torch": torch.__version__,
             "build": torch.__config__.show().strip().splitlines()[:12]}
@@ -295,6 +315,21 @@ def _set_genai_threads(model_dir: Path, threads: int) -> None:
     path.write_text(json.dumps(cfg, indent=4))
 
 
+def _genai_default_threads_copy(model_dir: Path) -> Path:
+    """A sibling folder of ``model_dir`` whose genai_config.json sets no thread count (ORT's default).
+
+    The model files are symlinked, not copied; the folder is rebuilt on every call."""
+    out = model_dir.with_name(model_dir.name + "-own-threads")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    for item in model_dir.iterdir():
+        if item.name != "genai_config.json":
+            (out / item.name).symlink_to(item.resolve())
+    shutil.copyfile(model_dir / "genai_config.json", out / "genai_config.json")
+    _set_genai_threads(out, 0)
+    return out
+
+
 def setup_genai(ctx: "PeerContext", log) -> PeerSession:
     try:
         import numpy as np
@@ -327,6 +362,11 @@ def setup_genai(ctx: "PeerContext", log) -> PeerSession:
             notes.append("this onnxruntime-genai has no speculative options; only plain decoding is compared")
     notes.append("genai draft-model speculation is not compared: it needs a drafter exported by its builder's "
                  "speculative options")
+    if ctx.threads:  # the bench imposed a thread count: also run plain decoding at ORT's own default
+        precision = precisions[0]
+        own = own_threads_config(f"genai-{precision}", "ort-default")
+        models[own] = og.Model(str(_genai_default_threads_copy(build_genai_model(hf_dir, precision, log))))
+        configs[own] = (own, None)
 
     def generate(job: Job, config: str, n: int) -> PeerRun:
         precision, spec = configs[config]
@@ -348,6 +388,7 @@ def setup_genai(ctx: "PeerContext", log) -> PeerSession:
         return PeerRun(job.workload, job.category, config, 0, tokens[:n], times[:n])
 
     info = {"hf_folder": str(hf_dir), "precisions": list(precisions), "threads": ctx.threads,
+            "default_threads": "onnxruntime's default (one per physical core)",
             "ngram": {"ngram_size": 3, "max_draft_tokens": k}, "configs": list(configs),
             "onnxruntime_genai": og.__version__}
     return PeerSession(list(configs), generate, info, notes)
@@ -373,6 +414,11 @@ def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
     log.note(f"peer llamacpp: loading {path.name}")
     engines = {"llamacpp-plain": Llama(**common),
                "llamacpp-prompt-lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
+    # llama-cpp-python's own default when n_threads is not given: half the logical CPUs.
+    own_threads = max(multiprocessing.cpu_count() // 2, 1)
+    if own_threads != threads:
+        no_threads = {key: value for key, value in common.items() if key not in ("n_threads", "n_threads_batch")}
+        engines[own_threads_config("llamacpp-plain", own_threads)] = Llama(**no_threads)
     eos = set(ctx.manifest.target.eos_token_ids)
 
     def generate(job: Job, config: str, n: int) -> PeerRun:
@@ -391,7 +437,8 @@ def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
 
     system = llama_cpp.llama_print_system_info()
     system = system.decode(errors="replace") if isinstance(system, bytes) else str(system)
-    info = {"gguf": str(path), "threads": threads, "num_pred_tokens": k, "configs": list(engines),
+    info = {"gguf": str(path), "threads": threads, "default_threads": own_threads, "num_pred_tokens": k,
+            "configs": list(engines),
             "llama_cpp_python": llama_cpp.__version__, "build": system.strip()}
     notes = [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); its text may differ from a "
              "bundle exported at another precision", LLAMACPP_AMX_NOTE]

@@ -41,8 +41,10 @@ PEER_DEFINITIONS = """\
   interleaved with the peer's, per prompt, median over prompts. **same text**: share of prompts whose peer
   tokens equal our baseline's. Each peer runs in its own process in its default configuration: the bench
   sets no environment variable for it (no OpenMP wait policy); only the thread count is the bench's
-  (`--threads`, or every core), passed as the peer's own thread option. A peer that crashes is reported
-  with its signal and last stderr lines; the specedge results are written regardless.
+  (`--threads`, or every core), passed as the peer's own thread option. Where that differs from the peer's
+  own default, its plain decoding also runs at its default (`…@own-threads(n)`), so each ratio is given
+  both ways: at the shared thread count and against the peer out of the box. A peer that crashes is
+  reported with its signal and last stderr lines; the specedge results are written regardless.
 """
 
 

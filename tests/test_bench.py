@@ -339,13 +339,54 @@ def test_hf_peer_on_the_same_checkpoint_gives_our_tokens_and_absent_peers_are_sk
     assert result.exit_code == 0, result.output
     peers = json.loads(result.stdout)["peers"]
     hf = peers["hf"]["configs"]
-    assert set(hf) == {"hf-plain", "hf-prompt-lookup", "hf-assisted"}
+    # Plus hf-plain@own-threads(n) where torch's default thread count differs from this box's CPU count.
+    assert {"hf-plain", "hf-prompt-lookup", "hf-assisted"} <= set(hf)
+    assert all(name.startswith("hf-plain@own-threads(") for name in set(hf) - {"hf-plain", "hf-prompt-lookup",
+                                                                              "hf-assisted"})
     for cells in hf.values():
         assert set(cells) == {"code", "voice"}
         for cell in cells.values():
             assert cell["same_text"] == 1.0  # fp32 torch vs fp32 ORT on the same weights
             assert cell["ratio_baseline"] is not None and cell["ratio_best"] is not None
     assert "skipped" in peers["llamacpp"] and "unknown peer" in peers["nosuch"]["skipped"]
+
+
+def test_a_peer_whose_default_thread_count_differs_also_runs_plain_at_its_own_default(tiny, monkeypatch):
+    """The thread count is the setting the bench shares with a peer: where the peer's own default
+    differs, its plain decoding also runs at that default, so the report gives our ratio both ways."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from specedge.bench import peers
+    from specedge.manifest import load_manifest
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # torch's own default on some box
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # record, leave this process's pool alone
+    ctx = peers.PeerContext(1, {"hf_target": str(tiny["hf"])}, load_manifest(tiny["bundle"]))
+    session = peers.setup_hf(ctx, Progress(0, enabled=False))
+    own = peers.own_threads_config("hf-plain", 3)
+    assert own == "hf-plain@own-threads(3)" and own in session.configs and session.info["default_threads"] == 3
+    job = peers.Job("w", "code", list(range(6, 20)), 6, [])
+    calls.clear()
+    shared, default = session.generate(job, "hf-plain", 6), session.generate(job, own, 6)
+    assert calls == [1, 3]  # each configuration runs at its own thread count
+    assert default.tokens == shared.tokens  # the same model: the thread count changes speed only
+
+
+def test_genai_default_threads_copy_unsets_the_thread_count_and_links_the_weights(tmp_path):
+    from specedge.bench import peers
+
+    model = tmp_path / "m-int4"
+    model.mkdir()
+    (model / "model.onnx").write_bytes(b"weights")
+    (model / "genai_config.json").write_text(json.dumps(
+        {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2, "log_id": "x"}}}}))
+    copy = peers._genai_default_threads_copy(model)
+    options = json.loads((copy / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert options == {"log_id": "x"}
+    assert (copy / "model.onnx").is_symlink() and (copy / "model.onnx").read_bytes() == b"weights"
+    assert json.loads((model / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
+        "intra_op_num_threads"] == 2  # the original is untouched
 
 
 def test_a_self_draft_has_no_hf_checkpoint_and_gguf_sources_map_to_the_cache(tmp_path, monkeypatch):
