@@ -5,7 +5,7 @@ top level reads ``export/ runtime/ engines/ cli/ tests/``. setuptools' own ``pac
 names what it finds relative to ``where`` (``runtime``, not ``specedge.runtime``) and cannot
 add the prefix, so the discovery lives here: every folder under the root that has an
 ``__init__.py`` becomes ``specedge.<folder>``. Nothing is listed by hand, so a new subpackage
-cannot silently drop out of the wheel (tests/test_packaging.py checks this).
+cannot silently drop out of the wheel (tests/unit/test_packaging.py checks this).
 
 Folders without ``__init__.py`` (tests/, docs/, a virtual environment, build/) are never
 packages; ``EXCLUDED`` keeps tests and docs out even if one gains an ``__init__.py``.

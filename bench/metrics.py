@@ -1,6 +1,6 @@
 """Pure statistics of the bench: no engines, no I/O, numbers in and numbers out.
 
-Definitions used in every report (and pinned by tests/test_bench.py):
+Definitions used in every report (and pinned by tests/integration/test_bench.py):
 
 - **Speedup** of a configuration: the median, over rounds, of the pairwise ratio
   ``tok/s(config, round r) / tok/s(baseline, round r)`` for the same prompt. Pairing

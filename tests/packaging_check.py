@@ -6,7 +6,7 @@ source tree::
 
     python tests/packaging_check.py dist/specedge-X-py3-none-any.whl dist/specedge-X.tar.gz
 
-and, for its pure checks, by tests/test_packaging.py. Standard library only.
+and, for its pure checks, by tests/unit/test_packaging.py. Standard library only.
 
 - the wheel: every file lies under ``specedge/`` or the dist-info folder; inside ``specedge/``
   only Python modules and the bench's prompt data (``bench/prompts/*.json``); the runtime,
@@ -82,8 +82,8 @@ def sdist_problems(names: list[str]) -> list[str]:
     """Problems with an sdist's member list (``tarfile.TarFile.getnames()``); empty when it is right."""
     inner = {n.split("/", 1)[1] for n in names if "/" in n}
     problems = [f"{f} is missing" for f in SDIST_FILES if f not in inner]
-    if not any(n.startswith("tests/test_") and n.endswith(".py") for n in inner):
-        problems.append("no tests/test_*.py")
+    if not any(n.startswith("tests/unit/test_") and n.endswith(".py") for n in inner):
+        problems.append("no tests/unit/test_*.py")
     problems += [f"{n}: benchmark results do not belong in the sdist" for n in sorted(inner)
                  if n.startswith("docs/results/")]
     return problems

@@ -98,7 +98,7 @@ def _config(arch: str, vocab_size: int, eos_id: int, overrides: dict | None = No
     return cls(**{**fields, **(overrides or {})})
 
 
-# The other families (tests/test_families.py), by model_type: llama_like's shape plus what each
+# The other families (tests/integration/test_families.py), by model_type: llama_like's shape plus what each
 # family names differently or needs to show its features.
 FAMILY_FIELDS: dict[str, dict] = {
     "qwen3": dict(head_dim=HIDDEN // HEADS, tie_word_embeddings=False),

@@ -2,7 +2,7 @@
 
 Adding a family is one module: a ``Decoder`` subclass that states its config fields, where its
 tensors live and the DecoderSpec fields it sets (see ``qwen3.py`` for a short one), plus its
-entry in ``FAMILIES`` below and a tiny-checkpoint case in tests/test_families.py.
+entry in ``FAMILIES`` below and a tiny-checkpoint case in tests/integration/test_families.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 
 import packaging_check
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the repository root
 
 
 def _setup_module():
@@ -112,7 +112,7 @@ def test_the_wheel_check_names_what_is_wrong(names, problem):
 
 
 def test_the_sdist_check_wants_the_test_helpers_and_no_results():
-    right = [f"specedge-0.1.0/{f}" for f in (*packaging_check.SDIST_FILES, "tests/test_cli.py")]
+    right = [f"specedge-0.1.0/{f}" for f in (*packaging_check.SDIST_FILES, "tests/unit/test_cli.py")]
     assert packaging_check.sdist_problems(right) == []
     assert packaging_check.sdist_problems([n for n in right if not n.endswith("conftest.py")]) == \
         ["tests/conftest.py is missing"]

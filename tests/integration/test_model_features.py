@@ -144,7 +144,7 @@ def test_implemented_llama_variants_equal_transformers(config, tiny_model, expor
 
 @pytest.mark.parametrize("config, message", [
     ({"hidden_act": "tanh"}, r"hidden_act='tanh' is not supported; implemented: silu"),
-    # Gemma 4's proportional rope (longrope is implemented: tests/test_families.py).
+    # Gemma 4's proportional rope (longrope is implemented: tests/integration/test_families.py).
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
      r"rope type 'proportional' is not supported"),
 ], ids=["activation", "rope-type"])

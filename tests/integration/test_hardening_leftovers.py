@@ -26,7 +26,7 @@ from specedge.export import fetch as fetch_mod
 from specedge.export.bundle import clean_stale_siblings
 from specedge.export.fetch import clean_stale_partials, fetch, is_cached
 from specedge.export.leftovers import STALE_AFTER_S
-from test_fetch import FakeDownloader, _model, cache, wheels  # noqa: F401 - fixtures
+from fetch_fakes import FakeDownloader, _model, cache, wheels  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from specedge.errors import BackendUnavailableError, ChecksumError, InvalidParam
 from specedge.manifest import load_manifest
 from test_trt_profiles import FACTS, _entry, _fake_bundle, _fake_tensorrt, _greedy, _record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/gpu/ -> the repository root
 
 
 @pytest.fixture(scope="module")
