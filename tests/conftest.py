@@ -1,19 +1,61 @@
-"""Shared fixtures: tiny random-weight HF folders and the bundles exported from them.
+"""Shared fixtures for every test folder (the only conftest.py: tests import its constants by name).
 
-Everything heavy is session-scoped and memoised: a model folder is built once per
-(arch, seed, options), a bundle is exported once per (target, draft, options), and
-a Generator is loaded once per bundle. Tests that mutate a bundle copy it first.
+- tests/unit: the numpy reference engine (tests/reference_engine.py) under a full Generator, no
+  export, no torch. A guard below fails a unit-only run whose tests or test modules imported
+  torch, transformers or onnx: tests/unit must pass in the edge install (.ci/run runs it there).
+- tests/integration, slow, gpu: tiny random-weight HF folders and the bundles exported from them.
+  Everything heavy is session-scoped and memoised: a model folder is built once per (arch, seed,
+  options), a bundle is exported once per (target, draft, options), and a Generator is loaded once
+  per bundle. Tests that mutate a bundle copy it first. torch is imported inside the fixtures only.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from tiny_models import build_model
+
+UNIT = Path(__file__).resolve().parent / "unit"
+# Top-level packages tests/unit must never import: the edge install has none of them.
+HEAVY_PACKAGES = ("torch", "transformers", "onnx")
+_HEAVY_AT_START = {name for name in HEAVY_PACKAGES if name in sys.modules}  # e.g. a plugin's; none here
+
+
+def _heavy_loaded() -> list[str]:
+    return sorted(name for name in HEAVY_PACKAGES if name in sys.modules and name not in _HEAVY_AT_START)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_torch_free(request):
+    """In a session that runs only tests/unit, no test module (imported at collection) and no test
+    may have imported a heavy package. A session that also runs other folders imports torch on
+    purpose, so it cannot tell; .ci/run's unit-only run in the edge venv then proves it."""
+    unit_only = all(UNIT in Path(item.path).parents for item in request.session.items)
+    if unit_only:
+        assert not _heavy_loaded(), f"tests/unit imported {_heavy_loaded()} (at collection or in an earlier test)"
+    yield
+    if unit_only:
+        assert not _heavy_loaded(), f"{request.node.nodeid} imported {_heavy_loaded()}"
+
+
+@pytest.fixture
+def reference(tmp_path) -> Callable[..., object]:
+    """``reference(**options) -> Generator`` on the numpy reference engines (a fresh one per call, in
+    its own folder); options as tests/reference_engine.reference_generator takes them."""
+    from reference_engine import reference_generator
+
+    made = []
+
+    def make(**options):
+        made.append(reference_generator(tmp_path / f"reference-{len(made)}", **options))
+        return made[-1]
+
+    return make
 
 # Seeds whose greedy continuation of PROMPT_IDS runs 64 tokens without meeting EOS (id 1),
 # so the decode oracle compares long sequences. Found by running transformers' greedy once.
