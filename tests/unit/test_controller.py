@@ -208,8 +208,8 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
     assert odd.alpha == [1.0, 0.0, 0.5, 0.5] and odd.observed == 4  # clamped, cut to max_k
 
 
-def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(self_spec_bundle, load_generator):
-    gen = load_generator(self_spec_bundle)
+def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(reference):
+    gen = reference(draft="self")  # the numpy reference engines (tests/reference_engine.py)
     gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # adaptive, the bundle default
     memory = gen.memory
     assert len(memory.reply_lengths) >= 1 and memory.acceptance and memory.costs
