@@ -13,7 +13,8 @@ and, for its pure checks, by tests/unit/test_packaging.py. Standard library only
   engines, export, cli, server and bench packages are there; no tests, docs or results;
   the license is in the dist-info;
 - the sdist: LICENSE, and the tests with the helpers they import (conftest.py, tiny_models.py,
-  distribution.py), so its unit tests can run;
+  distribution.py, the numpy reference engine...), so its unit tests can run (.ci/run runs them
+  against the installed wheel);
 - the installed wheel: ``pkgutil.walk_packages`` over ``specedge`` imports every module.
   Modules that need an optional extra may fail only as listed in ``NEEDS_EXTRA``, and only
   because that extra's package is missing.
@@ -45,9 +46,9 @@ NEEDS_EXTRA = {
     "specedge.server.app": "starlette",  # [serve]
     "specedge.server.serving": "uvicorn",  # [serve]: runs the app
 }
-# What the sdist needs so that `python -m pytest` runs in it.
+# What the sdist needs so that `python -m pytest` runs in it (tests/unit with the wheel alone: .ci/run).
 SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "setup.py", "tests/conftest.py", "tests/tiny_models.py",
-               "tests/distribution.py")
+               "tests/distribution.py", "tests/reference_engine.py", "tests/fetch_fakes.py", "tests/sigint.py")
 
 
 def wheel_problems(names: list[str]) -> list[str]:

@@ -8,7 +8,7 @@
   file list and names each kind of wrong one (tests, results, docs, a missing subpackage,
   missing prompt data, a missing license, an sdist without its test helpers);
 - .ci/run runs the README's test command verbatim, and that command puts its venv outside
-  the package folder.
+  the package folder; it also runs the sdist's tests/unit against the wheel in the edge venv.
 
 The wheel itself is built, installed in a clean venv and imported module by module in .ci/run.
 """
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the repository root
 
 
 def _setup_module():
+    pytest.importorskip("setuptools")  # setup.py's discovery; a venv of Python >= 3.12 has no setuptools
     spec = importlib.util.spec_from_file_location("specedge_setup", ROOT / "setup.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # setup() itself runs only under __main__
@@ -139,3 +140,5 @@ def test_ci_runs_the_readme_test_command_with_the_venv_outside_the_package():
     venv = re.match(r'python3 -m venv (?:--clear )?("[^"]+"|\S+)', command).group(1).strip('"')
     assert venv.startswith("$PWD-") or venv.startswith("../"), f"the venv {venv} is inside the package folder"
     assert "packaging_check.py" in "\n".join(ci)
+    # the sdist's unit tests run against the installed wheel in the edge venv, from outside the tree
+    assert any("wheel-venv/bin/python\" -m pytest" in line and "sdist/specedge-*/tests/unit" in line for line in ci)
