@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from tiny_models import build_model
+from tiny_models import PROMPT_IDS, build_model  # noqa: F401 - PROMPT_IDS: tests import it from here
 
 UNIT = Path(__file__).resolve().parent / "unit"
 # Top-level packages tests/unit must never import: the edge install has none of them.
@@ -61,7 +61,6 @@ def reference(tmp_path) -> Callable[..., object]:
 # so the decode oracle compares long sequences. Found by running transformers' greedy once.
 ARCH_SEEDS = {"llama": 0, "qwen2": 1, "gpt2": 0}
 ARCHS = tuple(ARCH_SEEDS)
-PROMPT_IDS = list(range(6, 26))  # 20 plain words, no chat template
 MAX_CONTEXT = 256  # = the tiny gpt2's learned positions
 
 

@@ -37,7 +37,7 @@ from specedge.manifest import Manifest, ModelEntry, SpeculationDefaults, Tokeniz
 from specedge.runtime.generator import Generator
 from specedge.runtime.loading import LoadedBundle
 from specedge.runtime.text import TextCodec
-from tiny_models import CHAT_TEMPLATE, EOS_ID, SPECIALS, vocab, word
+from tiny_models import CHAT_TEMPLATE, EOS_ID, PROMPT_IDS, SPECIALS, vocab, word
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,6 @@ class ReferenceEngine:
 TARGET_SEED = 0
 DRAFT_NOISE = 0.1  # times each tensor's std: greedy agreement ~0.6, sampling overlap ~0.84
 DRAFT_SEED = 1
-PROMPT_IDS = list(range(6, 26))  # 20 plain words, as tests/conftest.py's PROMPT_IDS
 
 
 def write_tokenizer(folder: Path, size: int) -> None:

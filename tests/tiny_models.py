@@ -27,6 +27,7 @@ from typing import Any
 SPECIALS = ("<s>", "</s>", "<unk>")
 ROLE_WORDS = ("user", "assistant", "system")
 BOS_ID, EOS_ID = 0, 1
+PROMPT_IDS = list(range(6, 26))  # 20 plain words, no chat template: the oracle tests' prompt
 FIRST_WORD = len(SPECIALS) + len(ROLE_WORDS)  # id of the first "wNNN" word
 # Jinja, rendered both by transformers (the exporter copies it) and by the runtime's sandbox.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

@@ -164,9 +164,10 @@ def test_max_context_ends_a_reply_with_length_and_says_why(reference):
     ({"input_ids": PROMPT_IDS, "drafter": "nope"}, "drafter"),
     ({"prompt": "w010", "input_ids": [7]}, "exactly one of prompt, messages or input_ids"),
 ])
-def test_bad_calls_are_typed_errors(gen, kwargs, match):
+def test_bad_calls_are_typed_errors_before_any_forward(gen, kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
         gen.generate(max_new_tokens=4, **kwargs)
+    assert gen.loaded.target.forwards == gen.loaded.draft.forwards == 0
 
 
 def test_a_bundle_without_a_draft_model_refuses_the_model_drafter_and_runs_the_others(reference):
