@@ -228,8 +228,7 @@ def model_entry(engine: ReferenceEngine, role: str) -> ModelEntry:
 
 
 def reference_bundle(folder: Path, target: ReferenceEngine, draft: ReferenceEngine | None = None, *,
-                     speculation: SpeculationDefaults = SpeculationDefaults(), extra: dict | None = None
-                     ) -> LoadedBundle:
+                     speculation: SpeculationDefaults = SpeculationDefaults()) -> LoadedBundle:
     """A :class:`LoadedBundle` as ``load_bundle`` returns it, over reference engines: a real
     Manifest and a real TextCodec (tokenizer.json and the chat template written to ``folder``)."""
     folder = Path(folder)
@@ -239,7 +238,7 @@ def reference_bundle(folder: Path, target: ReferenceEngine, draft: ReferenceEngi
                                                  bos_token=word(0), eos_token=word(EOS_ID)),
                         speculation=speculation, files={},
                         draft=None if draft is None else model_entry(draft, "draft"),
-                        created_by="tests/reference_engine.py", extra=dict(extra or {}))
+                        created_by="tests/reference_engine.py")
     codec = TextCodec(folder / "tokenizer.json", CHAT_TEMPLATE, bos_token=word(0), eos_token=word(EOS_ID))
     head_ids = None if draft is None or draft.head_ids is None else draft.head_ids
     return LoadedBundle(folder, manifest, codec, target, draft, head_ids, threads=1, cost_profile=None)
