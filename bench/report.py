@@ -275,26 +275,34 @@ def render_markdown(doc: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- files
-def results_stem(out: Path, doc: dict) -> Path:
+def _names_a_folder(out: str | Path) -> bool:
+    """An existing folder, or a path written with a trailing separator (kept only in a str: Path drops it)."""
+    return Path(out).is_dir() or str(out).endswith(("/", "\\"))
+
+
+def results_stem(out: str | Path, doc: dict) -> Path:
     """``out`` as a folder (existing, or ending in /) -> ``out/<date>-<bundle>``; else ``out`` without suffix."""
-    if out.is_dir() or str(out).endswith(("/", "\\")):
+    folder, out = _names_a_folder(out), Path(out)
+    if folder:
         out.mkdir(parents=True, exist_ok=True)
         return out / f"{doc['date']}-{doc['bundle']['name']}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out.with_suffix("") if out.suffix in (".md", ".json") else out
 
 
-def partial_results_path(out: Path, bundle: Path) -> Path:
+def partial_results_path(out: str | Path, bundle: Path) -> Path:
     """Where a bench run writing to ``out`` appends its JSON-lines partial results."""
     name = f"{bundle.resolve().name or 'bundle'}.partial.jsonl"
-    if out.is_dir() or str(out).endswith(("/", "\\")):
+    folder, out = _names_a_folder(out), Path(out)
+    if folder:
+        out.mkdir(parents=True, exist_ok=True)
         return out / name
     return (out.with_suffix("") if out.suffix in (".md", ".json") else out).with_suffix(".partial.jsonl")
 
 
-def write_results(doc: dict, out: Path) -> tuple[Path, Path]:
+def write_results(doc: dict, out: str | Path) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json``; returns both paths."""
-    stem = results_stem(Path(out), doc)
+    stem = results_stem(out, doc)
     md, js = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
     md.write_text(render_markdown(doc) + "\n", encoding="utf-8")
     js.write_text(to_json(doc) + "\n", encoding="utf-8")

@@ -80,7 +80,7 @@ def bench() -> None:
               help="Write the JSON result to PATH (bare --json: to stdout, instead of the table).")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: speedup vs k per workload, acceptance per position (needs matplotlib).")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
+@click.option("--out", type=click.Path(), default=None,  # a str: Path() would drop a folder's trailing "/"
               help="Results files: a folder (gets <date>-<bundle>.md/.json) or a path stem.")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 prompt per category, 16 tokens, 1 round, k=4 and "
               "adaptive per drafter.")
@@ -126,7 +126,7 @@ def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs,
         peer_options={"hf_target": hf_target, "hf_draft": hf_draft, "gguf": gguf, "lookup_tokens": lookup_tokens,
                       "genai_precision": _csv(genai_precision) or ("int4",)})
     if out is not None:
-        partial = partial_results_path(Path(out), bundle)
+        partial = partial_results_path(out, bundle)
         settings = replace(settings, partial_path=partial)
         click.echo(f"partial results (kept if the bench dies): {partial}", err=True)
     doc = run_bench(settings)
