@@ -260,29 +260,40 @@ def _used_tables(s: DecoderSpec) -> list[int]:
 
 
 class _StandardAttention:
-    """Attention in plain ONNX ops over a position-major cache; rotary and masks computed per step."""
+    """Attention in plain ONNX ops over a position-major cache; rotary and masks computed per step.
+
+    The cached prefix ``past_key/value.i`` [P, kvh, hd] is read in place: it is never
+    concatenated with the new rows nor transposed (see ``_past_scores``). Scores against the
+    prefix [n, H, P] and against the n new keys [n, H, n] are concatenated instead (a few
+    floats per query head and position, not kvh * hd), softmaxed together under one mask,
+    and split again at P for the two value products.
+    """
 
     def __init__(self, b: _Builder, s: DecoderSpec, pos: str) -> None:
         self.b, self.s = b, s
         # Causal mask over the cache: key slot j holds position j, so query at position p
         # may attend to slots 0..p. Built once per step per window, shared by its layers.
         n_new = b.one("Gather", [b.one("Shape", ["input_ids"]), b.ints("one_idx", [1])])  # [1]
-        past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
-        total = b.one("Squeeze", [b.one("Add", [past_len, n_new])])
+        self.past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
+        total = b.one("Squeeze", [b.one("Add", [self.past_len, n_new])])
         key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
                                   b.const("one_i", np.array(1, np.int64))])  # [T]
         key_row = b.one("Unsqueeze", [key_pos, b.ints("ax0", [0])])  # [1, T]
         query_col = b.one("Unsqueeze", [pos, b.ints("ax1", [1])])  # [n, 1]
         causal = b.one("LessOrEqual", [key_row, query_col])  # [n, T]
-        self.masks: dict[int, str] = {}  # window (0 = full) -> additive mask [n, T], fp32
+        self.masks: dict[int, str] = {}  # window (0 = full) -> additive mask [n, 1, T], fp32 (over heads)
         for window in sorted({s.window(i) for i in range(s.n_layers)}):
             allowed = causal
             if window:
                 # Sliding window: the query at position p also drops keys at p - W and earlier.
                 lowest = b.one("Sub", [query_col, b.const(b.name("window"), np.array(window, np.int64))])
                 allowed = b.one("And", [causal, b.one("Greater", [key_row, lowest])])
-            self.masks[window] = b.one("Where", [allowed, b.const(b.name("zero_f"), np.array(0.0, np.float32)),
-                                                 b.const(b.name("neg_inf"), np.array(-np.inf, np.float32))])
+            mask = b.one("Where", [allowed, b.const(b.name("zero_f"), np.array(0.0, np.float32)),
+                                   b.const(b.name("neg_inf"), np.array(-np.inf, np.float32))])
+            self.masks[window] = b.one("Unsqueeze", [mask, b.ints(b.name("ax1m"), [1])])
+        # own_head[0, j, 0, j', 0] = (j == j'): keeps each query head's own kv head's block.
+        kvh = s.n_kv_heads
+        self.own_head = b.weight("own_kv_head", np.eye(kvh).reshape(1, kvh, 1, kvh, 1))
         # cos/sin [n, 1, rotary_dim] per rope table, computed in fp32 for accuracy at long positions.
         self.rope: dict[int, tuple[str, str]] = {}
         tables = s.tables()
@@ -301,7 +312,6 @@ class _StandardAttention:
         """q [n, H*hd], k/v [n, kvh*hd] (projected) -> attention output [n, H*hd]; writes new_key/value.i."""
         b, s = self.b, self.s
         h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
-        group = h // kvh
         kv_type = _ONNX_DTYPE[b.dtype]
         table = s.rope(i)
         rope = self.rope.get(table)
@@ -315,27 +325,82 @@ class _StandardAttention:
             k = _rotate(b, k, *rope, rd, hd, out=f"new_key.{i}")
         v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=f"new_value.{i}")
 
-        k_all = b.one("Concat", [f"past_key.{i}", k], axis=0)  # [T, kvh, hd]
-        v_all = b.one("Concat", [f"past_value.{i}", v], axis=0)
-        # GQA without repeating K/V: query head h uses kv head h // group, so view the
-        # queries as [kvh, group, n, hd] and broadcast K/V over the group axis.
-        q = b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, group, hd])])  # [n, kvh, g, hd]
-        q = b.one("Transpose", [q], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
-        q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])
-        k_t = b.one("Unsqueeze", [b.one("Transpose", [k_all], perm=[1, 2, 0]), b.ints(b.name("ax"), [1])])
-        scores = b.one("MatMul", [q, k_t])  # [kvh, g, n, T]
+        q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])  # [n, H, hd]
+        scores = b.one("Concat", [self._past_scores(i, q), self._new_scores(q, k)], axis=-1)  # [n, H, T]
         if b.dtype != np.float32:
             # Softmax in fp32: fp16 exp() of large score gaps loses the tail mass.
             scores = b.one("Cast", [scores], to=TensorProto.FLOAT)
         if s.attn_softcap:
             scores = _softcap(b, scores, s.attn_softcap)  # before the mask, as transformers does
-        probs = b.one("Softmax", [b.one("Add", [scores, self.masks[s.window(i)]])], axis=-1)  # [kvh, g, n, T]
+        probs = b.one("Softmax", [b.one("Add", [scores, self.masks[s.window(i)]])], axis=-1)  # [n, H, T]
         if b.dtype != np.float32:
             probs = b.one("Cast", [probs], to=kv_type)
-        v_t = b.one("Unsqueeze", [b.one("Transpose", [v_all], perm=[1, 0, 2]), b.ints(b.name("ax"), [1])])
-        attn = b.one("MatMul", [probs, v_t])  # [kvh, g, n, hd]
-        attn = b.one("Transpose", [attn], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
+        # The probabilities split back at P: the small [n, H, T] rows are cut, never the cache.
+        past_probs = b.one("Slice", [probs, b.ints(b.name("zero"), [0]), self.past_len, b.ints(b.name("ax2"), [2])])
+        new_probs = b.one("Slice", [probs, self.past_len, b.ints(b.name("int_max"), [np.iinfo(np.int64).max]),
+                                    b.ints(b.name("ax2"), [2])])
+        attn = b.one("Add", [self._past_mix(i, past_probs), self._new_mix(new_probs, v)])  # [n, kvh, g, hd]
         return b.one("Reshape", [attn, b.ints(b.name("a_flat"), [0, h * hd])])  # [n, H*hd]
+
+    def _past_scores(self, i: int, q: str) -> str:
+        """Scaled q [n, H, hd] against the cached keys, read in place -> scores [n, H, P].
+
+        ``past_key.i`` [P, kvh, hd] is viewed as [P, kvh*hd] (a Reshape: no copy) and each
+        query row is spread over kvh*hd columns, zero outside its own kv head's hd columns,
+        so one MatMul against that view's transpose (a last-two-axes Transpose, which ORT
+        fuses into the GEMM as transB and TensorRT into its matrix op) gives every head's
+        scores. The zeros cost kvh-fold multiply-adds on the prefix; a per-head MatMul
+        would instead need the prefix copied head-major (the Concat + Transpose this replaces).
+        """
+        b, s = self.b, self.s
+        kvh, hd = s.n_kv_heads, s.head_dim
+        if kvh > 1:
+            q = b.one("Mul", [b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, s.n_heads // kvh, 1, hd])]),
+                              self.own_head])  # [n, kvh, g, kvh, hd]
+            q = b.one("Reshape", [q, b.ints(b.name("q_spread"), [0, s.n_heads, kvh * hd])])  # [n, H, kvh*hd]
+        keys = b.one("Reshape", [f"past_key.{i}", b.ints(b.name("kv_rows"), [-1, kvh * hd])])  # [P, kvh*hd]
+        return b.one("MatMul", [q, b.one("Transpose", [keys], perm=[1, 0])])  # [n, H, P]
+
+    def _past_mix(self, i: int, probs: str) -> str:
+        """probs [n, H, P] over the cached values, read in place -> [n, kvh, g, hd].
+
+        ``past_value.i`` viewed as [P, kvh*hd]: one MatMul mixes every head's values for
+        every query head ([n*H, kvh*hd]); each query head keeps its own kv head's block.
+        """
+        b, s = self.b, self.s
+        kvh, hd = s.n_kv_heads, s.head_dim
+        values = b.one("Reshape", [f"past_value.{i}", b.ints(b.name("kv_rows"), [-1, kvh * hd])])  # [P, kvh*hd]
+        mixed = b.one("MatMul", [probs, values])  # [n, H, kvh*hd]
+        if kvh == 1:
+            return b.one("Reshape", [mixed, b.ints(b.name("mix"), [0, 1, s.n_heads, hd])])  # [n, 1, g, hd]
+        mixed = b.one("Reshape", [mixed, b.ints(b.name("mix"), [0, kvh, s.n_heads // kvh, kvh, hd])])
+        # Adding the other heads' zeroed blocks is exact: x + 0 == x.
+        return b.one("ReduceSum", [b.one("Mul", [mixed, self.own_head]), b.ints(b.name("ax3"), [3])],
+                     keepdims=0)  # [n, kvh, g, hd]
+
+    def _new_scores(self, q: str, k: str) -> str:
+        """Scaled q [n, H, hd] against the new keys k [n, kvh, hd], per kv head -> scores [n, H, n].
+
+        Only the n new rows are transposed here (a copy of n rows, not of the prefix).
+        """
+        b, s = self.b, self.s
+        kvh, g, hd = s.n_kv_heads, s.n_heads // s.n_kv_heads, s.head_dim
+        # GQA without repeating K: query head h uses kv head h // g, so view the queries as
+        # [kvh, g, n, hd] and broadcast the keys over the group axis.
+        q = b.one("Transpose", [b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, g, hd])])],
+                  perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
+        k_t = b.one("Unsqueeze", [b.one("Transpose", [k], perm=[1, 2, 0]), b.ints(b.name("ax"), [1])])  # [kvh,1,hd,n]
+        scores = b.one("Transpose", [b.one("MatMul", [q, k_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, n]
+        return b.one("Reshape", [scores, b.ints(b.name("s_heads"), [0, s.n_heads, -1])])  # [n, H, n]
+
+    def _new_mix(self, probs: str, v: str) -> str:
+        """probs [n, H, n] over the new values v [n, kvh, hd], per kv head -> [n, kvh, g, hd]."""
+        b, s = self.b, self.s
+        kvh, g, hd = s.n_kv_heads, s.n_heads // s.n_kv_heads, s.head_dim
+        probs = b.one("Transpose", [b.one("Reshape", [probs, b.ints(b.name("p_grp"), [0, kvh, g, -1])])],
+                      perm=[1, 2, 0, 3])  # [kvh, g, n, n]
+        v_t = b.one("Unsqueeze", [b.one("Transpose", [v], perm=[1, 0, 2]), b.ints(b.name("ax"), [1])])  # [kvh,1,n,hd]
+        return b.one("Transpose", [b.one("MatMul", [probs, v_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
 
 
 # ORT's GroupQueryAttention rotates inside the op only when its cos/sin cache width
