@@ -10,7 +10,8 @@ Invariants guarded here:
 * TensorRT 11 (strongly typed only, no BuilderFlag.FP16) builds what it can and refuses the rest;
 * TensorRT's failures (a raised profile switch, a refused shape) become typed errors;
 * TensorRT EP sessions list CUDA before CPU;
-* the standard graph's per-step copy of the prefix is detected (expected to fail until fixed);
+* the standard graph reads the cached prefix in place (no Concat or Transpose of it), as exported and as
+  ONNX Runtime optimizes it;
 * engine caches are checked against the ORT version and the recorded engine file;
 * a native TensorRT bundle loads through Generator.from_bundle;
 * TensorRT engines take the logits row count from a shape (no per-run readback), with equal logits.
@@ -432,17 +433,77 @@ def test_the_gpu_engine_creates_its_tensorrt_session_with_cuda_in_between(monkey
 # --------------------------------------------------------------------------- 9. the per-step prefix copy
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 9: the standard graph concatenates past and new K/V every "
-                                       "step; the fix is export/graph.py's (see docs/GPU.md)")
-def test_the_standard_graph_does_not_copy_the_cached_prefix(standard_pair):
+# A view of a tensor (ORT aliases their outputs to their input: no bytes move) and the
+# consumers that read a cached prefix where it lies. A last-two-axes Transpose is allowed
+# only straight into a MatMul: ORT fuses the pair into one GEMM with transB (checked on the
+# optimized graph below) and TensorRT into its matrix op.
+_VIEWS = {"Reshape", "Squeeze", "Unsqueeze"}
+_READERS_IN_PLACE = {"Shape", "MatMul", "FusedMatMul"}
+
+
+def _prefix_copies(graph, pasts: set[str]) -> list[str]:
+    """Nodes of ``graph`` that copy (or may copy) a cached prefix, following views of it."""
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    copies, seen, todo = [], set(), list(pasts)
+    while todo:
+        for node in consumers.get(todo.pop(), []):
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op_type in _VIEWS:
+                todo.append(node.output[0])
+            elif node.op_type == "FusedMatMul" and any(a.name.startswith("transBatch") and a.i for a in node.attribute):
+                copies.append(f"{node.op_type} {node.name} (batch-transposed operand)")
+            elif node.op_type == "Transpose" and [a.ints for a in node.attribute if a.name == "perm"] == [[1, 0]] \
+                    and all(c.op_type == "MatMul" for c in consumers.get(node.output[0], [])):
+                continue  # becomes the GEMM's transB; the optimized-graph check below proves ORT fuses it
+            elif node.op_type not in _READERS_IN_PLACE:
+                copies.append(f"{node.op_type} {node.name}")
+    return copies
+
+
+def test_the_standard_graph_reads_the_cached_prefix_in_place(standard_pair, tmp_path):
+    """Issue 19 item 9: no Concat, Transpose or other copy of past_key/past_value, as exported
+    (TensorRT's input) and after ONNX Runtime's optimizer (what the CPU and CUDA EPs run)."""
     import onnx
 
+    from specedge.engines.ort import OrtEngine
+
     entry = load_manifest(standard_pair, verify_checksums=False).target
-    graph = onnx.load(str(standard_pair / entry.graph), load_external_data=False).graph
     pasts = {entry.io.past_key % i for i in range(entry.n_layers)} | {entry.io.past_value % i
                                                                       for i in range(entry.n_layers)}
-    copies = [n.name or n.op_type for n in graph.node if n.op_type == "Concat" and pasts & set(n.input)]
-    assert copies == [], f"{len(copies)} Concat nodes copy the cached prefix each step"
+    graph = onnx.load(str(standard_pair / entry.graph), load_external_data=False).graph
+    assert _prefix_copies(graph, pasts) == []
+    assert not any(n.op_type == "Concat" and pasts & set(n.input) for n in graph.node)
+
+    optimized = tmp_path / "optimized.onnx"
+    engine = OrtEngine(entry, standard_pair / entry.graph, EngineOptions(intra_op_threads=1,
+                                                                         optimized_model_path=str(optimized)))
+    assert _greedy(engine) == _greedy(OrtEngine(entry, standard_pair / entry.graph,
+                                                EngineOptions(intra_op_threads=1, graph_optimization="disable")))
+    graph = onnx.load(str(optimized), load_external_data=False).graph
+    assert _prefix_copies(graph, pasts) == []
+    # Every prefix is read by a GEMM; the keys' one through ORT's fused transB.
+    gemms = [n for n in graph.node if n.op_type in ("MatMul", "FusedMatMul")
+             and any(_views_of(graph, p) & set(n.input) for p in pasts)]
+    assert len(gemms) == 2 * entry.n_layers
+    assert not any(n.op_type == "Transpose" and any(_views_of(graph, p) & set(n.input) for p in pasts)
+                   for n in graph.node)
+
+
+def _views_of(graph, name: str) -> set[str]:
+    """``name`` and every tensor that is a view (Reshape, Squeeze, Unsqueeze) of it."""
+    views, grown = {name}, True
+    while grown:
+        grown = False
+        for node in graph.node:
+            if node.op_type in _VIEWS and node.input[0] in views and node.output[0] not in views:
+                views.add(node.output[0])
+                grown = True
+    return views
 
 
 # --------------------------------------------------------------------------- 10. engine caches
