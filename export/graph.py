@@ -365,7 +365,7 @@ class _StandardAttention:
         """probs [n, H, P] over the cached values, read in place -> [n, kvh, g, hd].
 
         ``past_value.i`` viewed as [P, kvh*hd]: one MatMul mixes every head's values for
-        every query head ([n*H, kvh*hd]); each query head keeps its own kv head's block.
+        every query head ([n, H, kvh*hd]); each query head keeps its own kv head's block.
         """
         b, s = self.b, self.s
         kvh, hd = s.n_kv_heads, s.head_dim
