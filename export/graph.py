@@ -358,7 +358,8 @@ class _StandardAttention:
             q = b.one("Mul", [b.one("Reshape", [q, b.ints(b.name("q_grp"), [0, kvh, s.n_heads // kvh, 1, hd])]),
                               self.own_head])  # [n, kvh, g, kvh, hd]
             q = b.one("Reshape", [q, b.ints(b.name("q_spread"), [0, s.n_heads, kvh * hd])])  # [n, H, kvh*hd]
-        keys = b.one("Reshape", [f"past_key.{i}", b.ints(b.name("kv_rows"), [-1, kvh * hd])])  # [P, kvh*hd]
+        # 0 copies P, also an empty prefill past, where a -1 would have to be inferred from 0 elements.
+        keys = b.one("Reshape", [f"past_key.{i}", b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
         return b.one("MatMul", [q, b.one("Transpose", [keys], perm=[1, 0])])  # [n, H, P]
 
     def _past_mix(self, i: int, probs: str) -> str:
@@ -369,7 +370,7 @@ class _StandardAttention:
         """
         b, s = self.b, self.s
         kvh, hd = s.n_kv_heads, s.head_dim
-        values = b.one("Reshape", [f"past_value.{i}", b.ints(b.name("kv_rows"), [-1, kvh * hd])])  # [P, kvh*hd]
+        values = b.one("Reshape", [f"past_value.{i}", b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
         mixed = b.one("MatMul", [probs, values])  # [n, H, kvh*hd]
         if kvh == 1:
             return b.one("Reshape", [mixed, b.ints(b.name("mix"), [0, 1, s.n_heads, hd])])  # [n, 1, g, hd]
