@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +18,9 @@ from .. import __version__
 from ..errors import SpecedgeError
 from ..manifest import ATTENTIONS, PRECISIONS
 from .options import config_from, generation_options
+
+if TYPE_CHECKING:
+    from ..bundle_extra import CostProfile
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, "
@@ -169,14 +174,14 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         from ..export.tensorrt import build_engines_for_bundle
 
         manifest = build_engines_for_bundle(out, precision=trt_precision, route=trt_route, quiet=quiet)
-    extra = manifest.to_json()["extra"]
+    extra = manifest.extra
     if tune:
-        extra["cost_profile"] = _tune(out, threads=0, quiet=quiet)
+        extra = replace(extra, cost_profile=_tune(out, threads=0, quiet=quiet))
     if as_json:
-        click.echo(json.dumps(extra | {"out": str(out)}, indent=2))
+        click.echo(json.dumps(extra.to_dict() | {"out": str(out)}, indent=2))
 
 
-def _tune(bundle: Path, threads: int, quiet: bool) -> dict:
+def _tune(bundle: Path, threads: int, quiet: bool) -> CostProfile:
     from ..runtime import profile as cost_profile
     from ..runtime.generator import Generator
 
@@ -203,7 +208,7 @@ def tune(bundle: Path, threads: int, as_json: bool) -> None:
     """
     measured = _tune(bundle, threads, quiet=as_json)
     if as_json:
-        click.echo(json.dumps(measured, indent=2))
+        click.echo(json.dumps(measured.to_dict(), indent=2))
 
 
 # ----------------------------------------------------------------------------- generate

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
                         write_manifest)
@@ -109,7 +110,7 @@ class _ModelExporter:
         self.edges = validation_edges(self.features, config.max_context)
         # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
-        self.reports: dict = {}
+        self.reports: dict[str, ValidationRecord | ComparisonRecord] = {}  # "role:label" -> record
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
@@ -150,7 +151,7 @@ class _ModelExporter:
                                 spec=spec, head_file=head_file)
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
             report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol, **check)
-            self.reports[f"{role}:{precision}"] = report.as_dict()
+            self.reports[f"{role}:{precision}"] = report
             self.batch_variance[role] = batch_variance(entry, graph)
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
@@ -162,7 +163,7 @@ class _ModelExporter:
                                   max_context=cfg.max_context)
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:fp32-untied"] = validate_graph(
-            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check).as_dict()
+            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
         quant = QuantConfig(bits=4 if precision == "int4" else 8, block_size=cfg.block_size,
                             accuracy_level=cfg.accuracy_level)
         files = quantize_graph(src_graph, graph, quant)
@@ -288,13 +289,13 @@ def export_bundle(config: ExportConfig) -> Manifest:
         reports = dict(target_exp.reports)
         variance = dict(target_exp.batch_variance)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
-        unknown = {"target": list(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
+        unknown = {"target": tuple(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
         # record, for this graph on this machine, that it holds and what it costs.
         from .validate import exact_steps
 
         exact = {"target": exact_steps(target, tmp / target.graph)}
-        if not exact["target"]["bit_identical"] and not config.quiet:
+        if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
                   "a verify row; speculative greedy output may differ from plain decoding at near ties",
                   file=sys.stderr)
@@ -328,7 +329,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             if draft_exp.context_warning:
                 warned["draft"] = draft_exp.context_warning
             if draft_exp.features.unknown_fields:
-                unknown["draft"] = list(draft_exp.features.unknown_fields)
+                unknown["draft"] = tuple(draft_exp.features.unknown_fields)
             del draft_exp, draft_loaded
             gc.collect()
         progress("writing manifest")
@@ -345,10 +346,9 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "batch_variance": variance, "exact_steps": exact,
-                   **({"context_warnings": warned} if warned else {}),
-                   **({"unknown_config_fields": unknown} if unknown else {}),
-                   "export_seconds": round(time.perf_counter() - started, 1)},
+            extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
+                                context_warnings=warned, unknown_config_fields=unknown,
+                                export_seconds=round(time.perf_counter() - started, 1)),
         )
         write_manifest(tmp, manifest)
         # Set the old bundle aside (a rename) rather than deleting it first: an interrupt during the

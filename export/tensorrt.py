@@ -19,7 +19,7 @@ Two routes build an engine (``build_engines_for_bundle``, called by
 The functions that compute shapes, option strings, keys and paths are pure and
 tested on CPU. The builders need a GPU and are not verified on hardware here.
 What a bundle records about each engine is an :class:`EngineRecord` under
-manifest ``extra["engines"][role]`` (defined in engines/tensorrt.py, which
+manifest ``extra["engines"][role]`` (defined in bundle_extra.py, which
 reads it at load time, and re-exported here).
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from ..engines.tensorrt import (ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange, check_engine_compatible,
-                                check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
+from ..bundle_extra import ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange
+from ..engines.tensorrt import (check_engine_compatible, check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
                                 major_minor_patch, runtime_facts, tensorrt_graph_problem, tensorrt_version)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from .trt_graph import logits_rows_from_shape, trt_graph_path
@@ -168,7 +168,7 @@ def ort_trt_provider_options(profiles: tuple[Profile, ...] | list[Profile], *, c
 def engine_cache_key(graph_sha256: str, profiles: tuple[Profile, ...] | list[Profile], precision: str,
                      tensorrt_version: str, compute_capability: str, route: str = "native") -> str:
     """16 hex digits naming one build: the same graph, shapes, precision, TensorRT and GPU give the same key."""
-    facts = {"graph": graph_sha256, "profiles": [p.to_json() for p in profiles], "precision": precision,
+    facts = {"graph": graph_sha256, "profiles": [p.to_dict() for p in profiles], "precision": precision,
              "tensorrt": major_minor_patch(tensorrt_version), "compute_capability": compute_capability, "route": route}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -353,7 +353,7 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
 
     spec = manifest.speculation
     files = dict(manifest.files)
-    engines = dict(manifest.extra.get("engines") or {})
+    engines = dict(manifest.extra.engines)
     for role, entry in manifest.models().items():
         limit = max_prompt or min(entry.max_context - 1, DEFAULT_MAX_PROMPT)
         profiles = verify_profiles(entry, spec.max_draft_tokens, limit, draft_tokens=spec.draft_tokens)
@@ -382,11 +382,10 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
             files[rewritten_rel] = file_record(rewritten)  # the EP session loads it: checksummed with the rest
             record = _build_ort_trt(bundle, entry, rewritten_rel, profiles, precision, key, paths, facts,
                                     device_id, workspace_bytes)
-        old = engines.get(role)
-        _drop_stale(bundle, files, EngineRecord.from_json(old, f"extra.engines.{role}") if old else None, record)
-        engines[role] = record.to_json()
+        _drop_stale(bundle, files, engines.get(role), record)
+        engines[role] = record
 
-    updated = replace(manifest, files=files, extra={**manifest.extra, "engines": engines})
+    updated = replace(manifest, files=files, extra=replace(manifest.extra, engines=engines))
     scratch = bundle / f".manifest-{os.getpid()}"  # write beside, then rename: a crash never leaves half a manifest
     scratch.mkdir(exist_ok=True)
     try:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..bundle_extra import CostProfile, MachineFingerprint
 from .model_drafter import DEFAULT_DRAFT_WINDOW
 
 # 10 timed repeats after 2 warm-up runs: medians over 10 settle within a few % on a noisy
@@ -79,16 +80,11 @@ class CostModel:
     USUAL_FEED = 2  # a normal step feeds the target's correction/bonus token (+ the last draft token)
 
     # --- persistence -------------------------------------------------------------
-    def as_dict(self) -> dict:
-        return {"target_s": {str(n): t for n, t in sorted(self.target_s.items())},
-                "draft_token_s": self.draft_token_s, "draft_catchup_token_s": self.draft_catchup_token_s}
-
     @classmethod
-    def from_dict(cls, obj: dict, *, uses_draft_model: bool = True) -> "CostModel":
+    def from_profile(cls, profile: CostProfile, *, uses_draft_model: bool = True) -> "CostModel":
         """From a recorded profile (``specedge tune``). ``uses_draft_model=False``: a drafter that
         runs no model (prompt lookup) costs microseconds per token and never catches up."""
-        model = cls({int(n): float(t) for n, t in obj.get("target_s", {}).items()}, obj.get("draft_token_s"),
-                    obj.get("draft_catchup_token_s"))
+        model = cls(dict(profile.target_s), profile.draft_token_s, profile.draft_catchup_token_s)
         if not uses_draft_model:
             model.draft_token_s = model.draft_catchup_token_s = 0.0
         return model
@@ -179,14 +175,12 @@ def median_forward(engine, kv, ids: np.ndarray, *, repeats: int = REPEATS, warmu
     return float(np.median([time_forward(engine, kv, ids) for _ in range(repeats)]))
 
 
-def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, threads: int = 0) -> dict:
+def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, threads: int = 0) -> CostProfile:
     """Time target steps of 1..max_verify tokens, a 1-token draft step and a draft catch-up of
-    one draft window, on a cache of ``context`` positions. Returns the JSON-ready profile
-    (seconds) that :meth:`CostModel.from_dict` reads."""
-    from .profile import machine_fingerprint
-
+    one draft window, on a cache of ``context`` positions. Returns the profile (seconds) that
+    :meth:`CostModel.from_profile` reads."""
     rng = np.random.default_rng(0)
-    out: dict = {"machine": machine_fingerprint(threads), "context": context, "target_s": {}}
+    out: dict = {"target_s": {}}
     for name, engine in (("target", target), ("draft", draft)):
         if engine is None:
             continue
@@ -196,7 +190,7 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
         engine.forward(ids[:ctx], kv, num_logits=1)
         if name == "target":
             for n in range(1, max_verify + 1):
-                out["target_s"][str(n)] = median_forward(engine, kv, ids[ctx:ctx + n])
+                out["target_s"][n] = median_forward(engine, kv, ids[ctx:ctx + n])
         else:
             out["draft_token_s"] = median_forward(engine, kv, ids[ctx:ctx + 1])
             # A catch-up feed (the draft's deferred prefill, bounded by the draft window) costs
@@ -204,4 +198,4 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
             # expected reply length before the first speculative step.
             n = max(min(DEFAULT_DRAFT_WINDOW, kv.capacity - ctx - 1), 1)
             out["draft_catchup_token_s"] = median_forward(engine, kv, ids[ctx:ctx + n]) / n
-    return out
+    return CostProfile(machine=MachineFingerprint.here(threads), context=context, **out)
