@@ -441,26 +441,27 @@ class ManifestExtra:
         refuse_unknown(obj, cls.KEYS, where)
 
         def sub(key: str) -> Any:
-            return obj.get(key)
+            """The value at ``key``; absent or null is an empty map (a scalar key reads null itself)."""
+            value = obj.get(key)
+            return {} if value is None else value
 
-        validation = sub("validation") or {}
-        check_type(validation, f"{where}.validation", dict)
+        validation = check_type(sub("validation"), f"{where}.validation", dict)
         variance = sub("batch_variance")
-        if variance is not None and not isinstance(variance, dict):
+        if not isinstance(variance, dict):
             raise ManifestError(f"manifest field '{where}.batch_variance' must be an object of role -> number, "
                                 f"got {show(variance)}")
-        variance = _role_map(variance or {}, f"{where}.batch_variance")
-        exact = _role_map(sub("exact_steps") or {}, f"{where}.exact_steps")
-        warnings = _role_map(string_map(sub("context_warnings") or {}, f"{where}.context_warnings"),
+        variance = _role_map(variance, f"{where}.batch_variance")
+        exact = _role_map(sub("exact_steps"), f"{where}.exact_steps")
+        warnings = _role_map(string_map(sub("context_warnings"), f"{where}.context_warnings"),
                              f"{where}.context_warnings")
-        unknown = _role_map(sub("unknown_config_fields") or {}, f"{where}.unknown_config_fields")
+        unknown = _role_map(sub("unknown_config_fields"), f"{where}.unknown_config_fields")
         for role, names in unknown.items():
             check_type(names, f"{where}.unknown_config_fields.{role}", list)
             for i, name in enumerate(names):
                 check_type(name, f"{where}.unknown_config_fields.{role}[{i}]", str)
         seconds = read_field(obj, "export_seconds", where, (int, float), optional=True)
-        engines = _role_map(sub("engines") or {}, f"{where}.engines")
-        profile = sub("cost_profile")
+        engines = _role_map(sub("engines"), f"{where}.engines")
+        profile = obj.get("cost_profile")
         return cls(
             validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
             batch_variance={role: finite(v, f"{where}.batch_variance.{role}") for role, v in variance.items()},

@@ -80,6 +80,18 @@ class ModelIO:
     seqlens_k: str = "seqlens_k"
     total_sequence_length: str = "total_sequence_length"
 
+    def inputs(self, n_layers: int, attention: str) -> tuple[str, ...]:
+        """The graph's input names, in the order the exporter declares them."""
+        lengths = (self.seqlens_k, self.total_sequence_length) if attention == "gqa" else ()
+        return (self.input_ids, self.positions, self.num_logits, *lengths,
+                *(name % i for i in range(n_layers) for name in (self.past_key, self.past_value)))
+
+    def outputs(self, n_layers: int, attention: str) -> tuple[str, ...]:
+        """The graph's output names, in the order the exporter declares them: the logits, then per
+        layer the new K/V (standard) or the shared present cache (gqa)."""
+        key, value = (self.present_key, self.present_value) if attention == "gqa" else (self.new_key, self.new_value)
+        return (self.logits, *(name % i for i in range(n_layers) for name in (key, value)))
+
 
 @dataclass(frozen=True)
 class ModelEntry:

@@ -447,9 +447,7 @@ class TensorrtEngine:
     def _check_io(self, trt) -> None:
         io, e = self.entry.io, self.entry
         have = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        need = {io.input_ids, io.positions, io.num_logits, io.logits}
-        for i in range(e.n_layers):
-            need |= {io.past_key % i, io.past_value % i, io.new_key % i, io.new_value % i}
+        need = {*io.inputs(e.n_layers, e.attention), *io.outputs(e.n_layers, e.attention)}
         missing = sorted(need - have)
         if missing:
             raise ModelLoadError(f"TensorRT engine for {e.graph} lacks tensors the manifest names: {missing[:6]}; "

@@ -21,7 +21,7 @@ import numpy as np
 from .. import __version__
 from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
-from ..manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
+from ..manifest import (Manifest, ModelEntry, ModelIO, SpeculationDefaults, TokenizerEntry, file_record,
                         write_manifest)
 from .leftovers import is_stale, pid_after
 
@@ -83,12 +83,12 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: str, max_context: int,
-           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str, attention: str) -> ModelEntry:
+           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str, attention: str, io: ModelIO) -> ModelEntry:
     return ModelEntry(graph=graph, architecture=spec.architecture, source=source, precision=precision,
                       n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                       head_dim=spec.head_dim, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                       max_context=max_context, eos_token_ids=eos, kv_dtype=kv_dtype, data_files=tuple(data_files),
-                      tokenizer_sha256=tokenizer_sha256, attention=attention,
+                      tokenizer_sha256=tokenizer_sha256, attention=attention, io=io,
                       attention_windows=(spec.layer_windows[:spec.n_layers]
                                          if any(spec.layer_windows[:spec.n_layers]) else ()))
 
@@ -110,6 +110,7 @@ class _ModelExporter:
         self.edges = validation_edges(self.features, config.max_context)
         # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
+        self.io = ModelIO()  # the tensor names the graphs are built with and the manifest records
         self.reports: dict[str, ValidationRecord | ComparisonRecord] = {}  # "role:label" -> record
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
 
@@ -146,7 +147,7 @@ class _ModelExporter:
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
             files = build_decoder(spec, weights, graph, dtype=dtype, attention=self.attention,
-                                  max_context=cfg.max_context)
+                                  max_context=cfg.max_context, io=self.io)
             entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16",
                                 spec=spec, head_file=head_file)
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
@@ -160,7 +161,7 @@ class _ModelExporter:
         scratch.mkdir(exist_ok=True)
         src_graph = scratch / "model.onnx"
         src_files = build_decoder(spec, weights, src_graph, untie_lm_head=True, attention=self.attention,
-                                  max_context=cfg.max_context)
+                                  max_context=cfg.max_context, io=self.io)
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:fp32-untied"] = validate_graph(
             self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
@@ -180,7 +181,7 @@ class _ModelExporter:
         entry = _entry(replace(spec, vocab_size=self.spec.vocab_size), graph=rel[0], data_files=rel[1:],
                        source=source, precision=precision, max_context=self.config.max_context,
                        eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype, tokenizer_sha256=self.tokenizer_sha256,
-                       attention=self.attention)
+                       attention=self.attention, io=self.io)
         if head_file is not None:
             entry = replace(entry, head_tokens=str(head_file.relative_to(self.root)), head_size=spec.vocab_size)
         return entry
