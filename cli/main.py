@@ -16,6 +16,8 @@ import click
 
 from .. import __version__
 from ..errors import SpecedgeError
+from ..bundle_extra import ROUTES
+from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
 from ..manifest import ATTENTIONS, PRECISIONS
 from .options import config_from, generation_options
 
@@ -137,12 +139,12 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
-@click.option("--engine", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="onnxruntime", show_default=True,
               help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
               "fp32/fp16; see docs/GPU.md).")
-@click.option("--trt-route", type=click.Choice(["ort-trt", "native"]), default="ort-trt", show_default=True,
+@click.option("--trt-route", type=click.Choice(ROUTES), default="ort-trt", show_default=True,
               help="ort-trt: ONNX Runtime's TensorRT EP engine cache; native: a TensorRT plan (tensorrt + cuda-python).")
-@click.option("--trt-precision", type=click.Choice(["fp32", "fp16"]), default="fp16", show_default=True,
+@click.option("--trt-precision", type=click.Choice(BUILD_PRECISIONS), default="fp16", show_default=True,
               help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Time draft/target steps and v(k) on this machine and record the "
               "cost profile in the manifest, so the adaptive controller starts informed.")

@@ -21,11 +21,14 @@ import numpy as np
 from .. import __version__
 from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
-from ..manifest import (Manifest, ModelEntry, ModelIO, SpeculationDefaults, TokenizerEntry, file_record,
-                        write_manifest)
+from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
+                        SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
 from .leftovers import is_stale, pid_after
 
 SELF_DRAFTS = ("self-int4", "self-int8")
+# The smallest max_context an export takes: validation prefills and verifies across positions
+# 0..15, and the exact-steps check needs a prefix plus a 5-token verify below max_context.
+MIN_CONTEXT = 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -49,19 +52,20 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
-            if value is not None and value not in ("fp32", "fp16", "int4", "int8"):
-                raise InvalidParameterError(f"{name} must be one of fp32, fp16, int4, int8; got {value!r}")
-        if not 16 <= self.max_context <= 1 << 20:
-            raise InvalidParameterError(f"max_context must be in [16, 1048576]; got {self.max_context}")
+            if value is not None and value not in PRECISIONS:
+                raise InvalidParameterError(f"{name} must be one of {', '.join(PRECISIONS)}; got {value!r}")
+        if not MIN_CONTEXT <= self.max_context <= MAX_CONTEXT:
+            raise InvalidParameterError(f"max_context must be in [{MIN_CONTEXT}, {MAX_CONTEXT}]; got {self.max_context}")
         if self.draft_layers is not None and (self.draft_layers < 1 or self.draft not in SELF_DRAFTS):
             raise InvalidParameterError("draft_layers needs a self-draft (--draft self-int4/self-int8) and must be "
                                         f">= 1; got {self.draft_layers} with draft {self.draft!r}")
         if self.draft_vocab is not None and (self.draft_vocab < 16 or self.draft is None):
             raise InvalidParameterError(f"draft_vocab needs a draft and must be >= 16; got {self.draft_vocab}")
-        if self.attention not in ("gqa", "standard"):
-            raise InvalidParameterError(f"attention must be gqa or standard; got {self.attention!r}")
-        if not 1 <= self.max_draft_tokens <= 64:
-            raise InvalidParameterError(f"max_draft_tokens must be in [1, 64]; got {self.max_draft_tokens}")
+        if self.attention not in ATTENTIONS:
+            raise InvalidParameterError(f"attention must be {' or '.join(ATTENTIONS)}; got {self.attention!r}")
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidParameterError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]; got "
+                                        f"{self.max_draft_tokens}")
 
 
 @dataclass

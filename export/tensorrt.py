@@ -46,9 +46,12 @@ from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve
 # past length). A larger limit buys little prefill speed and costs activation memory and build time.
 DEFAULT_MAX_PROMPT = 512
 ENGINES = ("onnxruntime", "tensorrt")  # choices for `specedge export --engine`
+# What `specedge export --engine tensorrt` builds: TensorRT int8 needs Q/DQ nodes or a calibration
+# table, and specedge graphs carry neither (their int8/int4 is weight-only MatMulNBits).
+BUILD_PRECISIONS = ("fp32", "fp16")
 _GRAPH_PRECISION = {"float32": "fp32", "float16": "fp16"}
 
-__all__ = ["DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Profile", "ShapeRange",
+__all__ = ["BUILD_PRECISIONS", "DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Profile", "ShapeRange",
            "build_engines_for_bundle", "build_trt_engine", "check_engine_compatible", "check_tensorrt_export",
            "engine_cache_key", "engine_paths", "merge_profiles", "ort_trt_provider_options", "profile_shape_strings",
            "verify_profiles"]
@@ -331,8 +334,9 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
     bundle = Path(bundle_path)
     if route not in ROUTES:
         raise InvalidParameterError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
-    if precision not in ("fp32", "fp16"):
-        raise InvalidParameterError(f"engine precision must be fp32 or fp16; got {precision!r} (TensorRT int8 "
+    if precision not in BUILD_PRECISIONS:
+        raise InvalidParameterError(f"engine precision must be {' or '.join(BUILD_PRECISIONS)}; got {precision!r} "
+                                    "(TensorRT int8 "
                                     "needs Q/DQ nodes or a calibration table, and specedge graphs carry neither: "
                                     "their int8/int4 is weight-only MatMulNBits)")
     manifest = load_manifest(bundle)  # with checksums: an engine built from a corrupt graph would be trusted later

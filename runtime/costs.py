@@ -24,6 +24,18 @@ import numpy as np
 from ..bundle_extra import CostProfile, MachineFingerprint
 from .model_drafter import DEFAULT_DRAFT_WINDOW
 
+# Weight of the newest observation in every moving average the runtime keeps (step costs here,
+# acceptance in the k controller, mode rates in the loop): 0.2 follows a change of machine load
+# or of the text within ~5 steps, yet one slow step or one unlucky block does not swing k.
+EMA_WEIGHT = 0.2
+
+
+def ema(old: float | None, new: float, weight: float = EMA_WEIGHT) -> float:
+    """Exponential moving average: ``new`` when there is no ``old`` yet, else
+    ``(1 - weight) * old + weight * new``."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 # 10 timed repeats after 2 warm-up runs: medians over 10 settle within a few % on a noisy
 # 2-core box, and the whole profile stays under ~30 s for a 1.5B int4 target.
 REPEATS = 10
@@ -59,8 +71,7 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 class CostModel:
     """Step costs in seconds, learned by exponential moving averages.
 
-    Update rule: weight ``beta`` (0.2: a change of machine load is followed within ~5
-    steps, yet one slow step does not swing k). Costs are averaged per verify length;
+    Update rule: :func:`ema` with weight ``beta`` (:data:`EMA_WEIGHT`). Costs are averaged per verify length;
     unmeasured lengths are interpolated from measured ones, or start from an optimistic
     prior so that they get tried and measured.
     """
@@ -68,7 +79,7 @@ class CostModel:
     target_s: dict[int, float] = field(default_factory=dict)  # verify length n (= k+1) -> seconds
     draft_token_s: float | None = None
     draft_catchup_token_s: float | None = None  # per token of a catch-up feed (the draft's prefill)
-    beta: float = 0.2
+    beta: float = EMA_WEIGHT
 
     # An untried verify length is assumed to cost 1 + 0.15 per extra token of a 1-token step:
     # optimistic for memory-bound decoding, so it is tried once and then measured.
@@ -144,7 +155,7 @@ class CostModel:
 
     # --- learning ----------------------------------------------------------------
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.beta) * old + self.beta * new
+        return ema(old, new, self.beta)
 
     def observe(self, step: StepOutcome) -> None:
         """Learn from one step: the verify's cost at its length, the draft's per-token cost,
