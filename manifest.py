@@ -25,7 +25,8 @@ from typing import Any
 from .bundle_extra import ManifestExtra
 from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
 from .graphfile import read_graph_facts
-from .schema import MAX_CONTEXT, MAX_DRAFT_TOKENS, ROLES, choice, positive, read_field, relpath, show
+from .schema import (MAX_CONTEXT, MAX_DRAFT_TOKENS, ROLES, choice, positive, read_field, refuse_unknown, relpath,
+                     show)
 
 FORMAT_NAME = "specedge-bundle"
 # 2: graphs implement sliding-window attention and models record it (attention_windows).
@@ -44,7 +45,7 @@ KV_DTYPES = ("float32", "float16")
 # Reading 1 MiB at a time keeps hashing a 1 GB weight file at disk speed without holding it in RAM.
 _HASH_CHUNK = 1 << 20
 __all__ = ["ATTENTIONS", "FORMAT_VERSION", "KV_DTYPES", "MANIFEST_FILE", "MAX_CONTEXT", "MAX_DRAFT_TOKENS",
-           "PRECISIONS", "ROLES", "Manifest", "ManifestExtra", "ModelEntry", "ModelIO", "SpeculationDefaults",
+           "PRECISIONS", "ROLES", "FileRecord", "Manifest", "ManifestExtra", "ModelEntry", "ModelIO", "SpeculationDefaults",
            "TokenizerEntry", "check_graph_files", "check_vocab_compatible", "file_record", "load_head_tokens",
            "load_manifest", "parse_manifest", "resolve_inside", "sha256_file", "write_manifest"]
 
@@ -150,19 +151,53 @@ class SpeculationDefaults:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """The checksum of one bundle file (manifest ``files[relpath]``)."""
+
+    sha256: str  # 64 lowercase hex digits
+    size: int  # bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "size": self.size}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "FileRecord":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object with sha256 and size")
+        refuse_unknown(obj, ("sha256", "size"), where)
+        digest = read_field(obj, "sha256", where, str)
+        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+            raise ManifestError(f"manifest field '{where}.sha256' must be 64 lowercase hex digits")
+        size = read_field(obj, "size", where, int)
+        if size < 0:
+            raise ManifestError(f"manifest field '{where}.size' must be >= 0")
+        return cls(digest, size)
+
+
+@dataclass(frozen=True)
 class Manifest:
     target: ModelEntry
     tokenizer: TokenizerEntry
     speculation: SpeculationDefaults
-    files: dict[str, dict[str, Any]]  # relpath -> {"sha256": hex, "size": int}
+    files: dict[str, FileRecord]  # bundle-relative path -> its checksum
     draft: ModelEntry | None = None
     created_by: str = ""
     extra: ManifestExtra = field(default_factory=ManifestExtra)  # export facts, cost profile, engine records
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if isinstance(self.extra, dict):  # a decoded ``extra`` goes through its one parser
+        # Decoded JSON given to the constructor goes through the one parser of its part.
+        if isinstance(self.extra, dict):
             object.__setattr__(self, "extra", ManifestExtra.from_dict(self.extra))
+        if any(isinstance(meta, dict) for meta in self.files.values()):
+            object.__setattr__(self, "files", {rel: meta if isinstance(meta, FileRecord) else
+                                               FileRecord.from_dict(meta, f"files[{rel!r}]")
+                                               for rel, meta in self.files.items()})
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every file the manifest lists."""
+        return sum(f.size for f in self.files.values())
 
     @property
     def format_notes(self) -> tuple[str, ...]:
@@ -196,7 +231,7 @@ class Manifest:
             "models": {name: entry(m) for name, m in self.models().items()},
             "tokenizer": asdict(self.tokenizer),
             "speculation": asdict(self.speculation),
-            "files": self.files,
+            "files": {rel: f.to_dict() for rel, f in self.files.items()},
             "extra": self.extra.to_dict(),
         }
         return out
@@ -336,16 +371,8 @@ def parse_manifest(obj: Any) -> Manifest:
         raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
                             "no models.draft")
 
-    files = read_field(obj, "files", "", dict)
-    for rel, meta in files.items():
-        relpath(rel, f"files[{rel!r}]")
-        if not isinstance(meta, dict):
-            raise ManifestError(f"manifest field 'files[{rel!r}]' must be an object with sha256 and size")
-        digest = read_field(meta, "sha256", f"files[{rel!r}]", str)
-        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
-            raise ManifestError(f"manifest field 'files[{rel!r}].sha256' must be 64 lowercase hex digits")
-        if read_field(meta, "size", f"files[{rel!r}]", int) < 0:
-            raise ManifestError(f"manifest field 'files[{rel!r}].size' must be >= 0")
+    files = {relpath(rel, f"files[{rel!r}]"): FileRecord.from_dict(meta, f"files[{rel!r}]")
+             for rel, meta in read_field(obj, "files", "", dict).items()}
     # Every file the runtime reads needs a checksum, the chat template (rendered) included.
     referenced = [tokenizer.file] + [m.graph for m in (target, draft) if m] + \
                  [d for m in (target, draft) if m for d in m.data_files] + \
@@ -359,7 +386,7 @@ def parse_manifest(obj: Any) -> Manifest:
         check_vocab_compatible(target, draft)
 
     return Manifest(
-        target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=dict(files),
+        target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=files,
         created_by=read_field(obj, "created_by", "", str, optional=True, default=""),
         extra=ManifestExtra.from_dict(read_field(obj, "extra", "", dict, optional=True, default={})),
         format_version=version,
@@ -403,8 +430,8 @@ def resolve_inside(bundle: Path, rel: str) -> Path:
     return path
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+def file_record(path: Path) -> FileRecord:
+    return FileRecord(sha256_file(path), path.stat().st_size)
 
 
 def load_head_tokens(bundle: Path, entry: ModelEntry) -> "np.ndarray | None":
@@ -454,14 +481,14 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
                               f"{exc.strerror}") from None
         if not is_file:
             raise BundleError(f"bundle file {rel!r} listed in the manifest is missing from {root}")
-        if size != meta["size"]:
-            raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta['size']} "
+        if size != meta.size:
+            raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta.size} "
                                 "(truncated or replaced); re-export the bundle")
         if verify_checksums:
             digest = sha256_file(path)
-            if digest != meta["sha256"]:
+            if digest != meta.sha256:
                 raise ChecksumError(f"bundle file {rel!r} has sha256 {digest[:16]}… but the manifest records "
-                                    f"{meta['sha256'][:16]}… (corrupt or tampered); re-export the bundle")
+                                    f"{meta.sha256[:16]}… (corrupt or tampered); re-export the bundle")
     check_graph_files(root, manifest)
     return manifest
 

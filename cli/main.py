@@ -301,7 +301,7 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
             described["format_notes"] = list(manifest.format_notes)
         click.echo(json.dumps(described, indent=2))
         return
-    size = sum(f["size"] for f in manifest.files.values())
+    size = manifest.total_bytes
     click.echo(f"bundle {bundle}  ({size / 1e6:.0f} MB, format v{manifest.format_version}, {manifest.created_by})")
     for note in manifest.format_notes:
         click.echo(f"  warning: {note}")

@@ -368,7 +368,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             if old.exists() and not out.exists():
                 os.replace(old, out)
             raise
-        progress(f"bundle written to {out} ({sum(f['size'] for f in files.values()) / 1e6:.0f} MB)")
+        progress(f"bundle written to {out} ({manifest.total_bytes / 1e6:.0f} MB)")
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

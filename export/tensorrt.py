@@ -40,7 +40,8 @@ from ..engines.tensorrt import (check_engine_compatible, check_ort_trt_tensorrt,
                                 major_minor_patch, runtime_facts, tensorrt_graph_problem, tensorrt_version)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from .trt_graph import logits_rows_from_shape, trt_graph_path
-from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file, write_manifest
+from ..manifest import (FileRecord, Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file,
+                        write_manifest)
 
 # Longer prompts are prefilled in chunks of this many tokens, which is exact (the graph takes any
 # past length). A larger limit buys little prefill speed and costs activation memory and build time.
@@ -288,7 +289,7 @@ def _build_ort_trt(bundle: Path, entry: ModelEntry, graph: str, profiles: tuple[
                         engine_file=str(PurePosixPath(paths.ort_cache_dir) / built[0].name), graph=graph)
 
 
-def _drop_stale(bundle: Path, files: dict, old: EngineRecord | None, new: EngineRecord) -> None:
+def _drop_stale(bundle: Path, files: dict[str, FileRecord], old: EngineRecord | None, new: EngineRecord) -> None:
     """Remove the files of the engine a rebuild replaces, and their manifest entries."""
     if old is None or old.cache_key == new.cache_key:
         return
@@ -361,7 +362,7 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
     for role, entry in manifest.models().items():
         limit = max_prompt or min(entry.max_context - 1, DEFAULT_MAX_PROMPT)
         profiles = verify_profiles(entry, spec.max_draft_tokens, limit, draft_tokens=spec.draft_tokens)
-        key = engine_cache_key(files[entry.graph]["sha256"], profiles, precision, facts.tensorrt_version or "",
+        key = engine_cache_key(files[entry.graph].sha256, profiles, precision, facts.tensorrt_version or "",
                                facts.compute_capability, route)
         paths = engine_paths(entry.graph, key)
         if not quiet:
@@ -381,7 +382,7 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
             record = EngineRecord(route="native", tensorrt_version=facts.tensorrt_version or "",
                                   gpu_name=facts.gpu_name, compute_capability=facts.compute_capability,
                                   precision=precision, profiles=profiles, file=paths.plan,
-                                  sha256=files[paths.plan]["sha256"], cache_key=key)
+                                  sha256=files[paths.plan].sha256, cache_key=key)
         else:
             files[rewritten_rel] = file_record(rewritten)  # the EP session loads it: checksummed with the rest
             record = _build_ort_trt(bundle, entry, rewritten_rel, profiles, precision, key, paths, facts,

@@ -32,7 +32,7 @@ onnx = pytest.importorskip("onnx")
 def _set_record(bundle: Path, rel: str) -> None:
     path = bundle / "manifest.json"
     obj = json.loads(path.read_text())
-    obj["files"][rel] = file_record(bundle / rel)
+    obj["files"][rel] = file_record(bundle / rel).to_dict()
     path.write_text(json.dumps(obj))
 
 
