@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+from tiny_models import manifest_json
+
 BODY = textwrap.dedent('''
     import json
     from types import SimpleNamespace
@@ -72,9 +74,7 @@ BODY = textwrap.dedent('''
 
 
 def test_cli_server_bench_and_manifest_learn_drafter_names_from_the_registry():
-    from test_bundle_schema import _manifest_json
-
-    script = f"MANIFEST = {json.dumps(json.dumps(_manifest_json()))}\n{BODY}"
+    script = f"MANIFEST = {json.dumps(json.dumps(manifest_json()))}\n{BODY}"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -3,28 +3,23 @@
 - Every part of a manifest's ``extra`` has one parser: ``from_dict(to_dict(x)) == x``, and each
   malformed or unknown field is a ManifestError (a BundleError) naming the field.
 - Manifests as earlier versions wrote them (format 1 and 2, older extras) still load.
-- A graph's input and output names are exactly the ModelIO its manifest entry records, for every
-  attention kind, and the engine binds the names the manifest gives (non-default names included).
 
-No torch: graphs are built from random weights with export/graph.py (onnx only).
+Standard library only (the graph side of the schema, ModelIO, is tests/integration/test_graph_io.py).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from dataclasses import replace
 
-import numpy as np
-import onnx
 import pytest
 
 from specedge.bundle_extra import (ComparisonRecord, CostProfile, EngineRecord, ExactSteps, MachineFingerprint,
                                    ManifestExtra, Profile, ShapeRange, ValidationRecord)
 from specedge.errors import BundleError, ManifestError, UnsafePathError
-from specedge.manifest import (ATTENTIONS, FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, ModelEntry, ModelIO,
-                               parse_manifest)
+from specedge.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
+from tiny_models import manifest_json
 
 MACHINE = MachineFingerprint(cpu="AMD EPYC 7B13", cores=2, threads=1)
 PROFILE = CostProfile(machine=MACHINE, target_s={1: 0.01, 2: 0.012, 3: 0.014}, context=128, draft_token_s=0.002,
@@ -155,7 +150,7 @@ def test_each_malformed_field_is_refused_naming_it(path, value, match):
         ManifestExtra.from_dict(obj)
     assert isinstance(info.value, BundleError)
     with pytest.raises(error, match=match):  # and the manifest parser says the same
-        parse_manifest(_manifest_json(extra=obj))
+        parse_manifest(manifest_json(extra=obj))
 
 
 @pytest.mark.parametrize("path, match", [
@@ -174,28 +169,8 @@ def test_each_missing_field_is_refused_naming_it(path, match):
 # --------------------------------------------------------------------------- earlier formats
 
 
-def _model_json(**changes) -> dict:
-    model = {"graph": "target/model.onnx", "architecture": "llama", "source": "tiny", "precision": "fp32",
-             "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 64,
-             "max_context": 128, "eos_token_ids": [2], "kv_dtype": "float32",
-             "data_files": ["target/model.onnx.data"], "tokenizer_sha256": "", "attention": "standard",
-             "io": ModelIO().__dict__}
-    return {**model, **changes}
-
-
-def _manifest_json(*, version: int = FORMAT_VERSION, extra: dict | None = None, **model_changes) -> dict:
-    digest = {"sha256": hashlib.sha256(b"").hexdigest(), "size": 0}
-    return {"format": "specedge-bundle", "format_version": version, "created_by": "specedge 0.1.0",
-            "models": {"target": _model_json(**model_changes)},
-            "tokenizer": {"file": "tokenizer.json", "config": None, "chat_template": None, "sha256": "",
-                          "bos_token": None, "eos_token": None, "add_bos_token": False},
-            "speculation": {"drafter": "ngram", "draft_tokens": 4, "max_draft_tokens": 8, "adaptive": True},
-            "files": {name: digest for name in ("tokenizer.json", "target/model.onnx", "target/model.onnx.data")},
-            "extra": {} if extra is None else extra}
-
-
 def _manifest(**kw) -> Manifest:
-    return replace(parse_manifest(_manifest_json()), **kw)
+    return replace(parse_manifest(manifest_json()), **kw)
 
 
 # What export wrote into extra at each stage of the project (git history of export/bundle.py,
@@ -230,7 +205,7 @@ LEGACY_EXTRAS = {
 @pytest.mark.parametrize("name", sorted(LEGACY_EXTRAS))
 def test_manifests_earlier_versions_wrote_still_load(version, name):
     extra = LEGACY_EXTRAS[name]
-    obj = _manifest_json(version=version, extra=extra)
+    obj = manifest_json(version=version, extra=extra)
     if version == 1:  # format 1 had no sliding windows, so no attention_windows
         obj["models"]["target"].pop("attention_windows", None)
     manifest = parse_manifest(obj)
@@ -245,66 +220,3 @@ def test_an_old_profile_reads_as_typed_costs():
     assert extra.cost_profile.draft_catchup_token_s is None
     assert ManifestExtra.from_dict(LEGACY_EXTRAS["with-batch-variance"]).target_batch_variance() == 3.2e-6
     assert ManifestExtra.from_dict(LEGACY_EXTRAS["format-1-first"]).target_batch_variance() is None
-
-
-# --------------------------------------------------------------------------- graph IO names
-
-
-def _tiny_graph(tmp_path, attention: str, io: ModelIO):
-    """A 2-layer llama-like graph from random weights, built with ``io``; returns (entry, graph path)."""
-    from specedge.export.graph import DecoderSpec, build_decoder
-
-    hidden, heads, kv_heads, head_dim, inter, vocab, layers = 32, 4, 2, 8, 48, 64, 2
-    rng = np.random.default_rng(0)
-    spec = DecoderSpec(architecture="llama", n_layers=layers, hidden_size=hidden, n_heads=heads, n_kv_heads=kv_heads,
-                       head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, norm_eps=1e-5,
-                       attn_scale=head_dim ** -0.5, inv_freq=tuple(1e4 ** (-np.arange(0, head_dim, 2) / head_dim)),
-                       tied_embeddings=True)
-    w = {"embed": rng.normal(0, 0.5, (vocab, hidden)), "norm": np.ones(hidden)}
-    for i in range(layers):
-        w |= {f"layers.{i}.attn_norm": np.ones(hidden), f"layers.{i}.mlp_norm": np.ones(hidden),
-              f"layers.{i}.qkv": rng.normal(0, 0.2, (hidden, (heads + 2 * kv_heads) * head_dim)),
-              f"layers.{i}.o": rng.normal(0, 0.2, (heads * head_dim, hidden)),
-              f"layers.{i}.gate_up": rng.normal(0, 0.2, (hidden, 2 * inter)),
-              f"layers.{i}.down": rng.normal(0, 0.2, (inter, hidden))}
-    folder = tmp_path / attention
-    folder.mkdir(exist_ok=True)
-    graph = folder / f"model-{io.input_ids}.onnx"
-    build_decoder(spec, {k: np.asarray(v, np.float32) for k, v in w.items()}, graph, attention=attention,
-                  max_context=64, io=io)
-    entry = ModelEntry(graph=graph.name, architecture="llama", source="random", precision="fp32", n_layers=layers,
-                       n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, vocab_size=vocab,
-                       max_context=64, eos_token_ids=(0,), attention=attention, io=io)
-    return entry, graph
-
-
-RENAMED = ModelIO(input_ids="ids", positions="pos", num_logits="keep", logits="scores", past_key="k_cache_%d",
-                  past_value="v_cache_%d", new_key="k_new_%d", new_value="v_new_%d", present_key="k_out_%d",
-                  present_value="v_out_%d", seqlens_k="lengths", total_sequence_length="total")
-
-
-@pytest.mark.parametrize("attention", ATTENTIONS)
-@pytest.mark.parametrize("io", [ModelIO(), RENAMED], ids=["default-names", "renamed"])
-def test_graph_io_names_are_the_manifests_model_io(tmp_path, attention, io):
-    entry, graph = _tiny_graph(tmp_path, attention, io)
-    model = onnx.load(str(graph), load_external_data=False)
-    assert tuple(i.name for i in model.graph.input) == io.inputs(entry.n_layers, attention)
-    assert tuple(o.name for o in model.graph.output) == io.outputs(entry.n_layers, attention)
-
-
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_the_engine_binds_the_names_the_manifest_gives(tmp_path, attention):
-    """The same weights under renamed tensors give the same logits: the engine reads entry.io."""
-    from specedge.engines.base import EngineOptions
-    from specedge.engines.ort import OrtEngine
-
-    ids = np.array([5, 9, 3, 17, 2], np.int64)
-    logits = []
-    for io in (ModelIO(), RENAMED):
-        entry, graph = _tiny_graph(tmp_path, attention, io)
-        engine = OrtEngine(entry, graph, EngineOptions(intra_op_threads=1))
-        kv = engine.new_cache()
-        prefill = engine.forward(ids[:4], kv, num_logits=1).copy()
-        logits.append((prefill, engine.forward(ids[4:], kv, num_logits=1).copy()))
-    np.testing.assert_array_equal(logits[0][0], logits[1][0])
-    np.testing.assert_array_equal(logits[0][1], logits[1][1])
