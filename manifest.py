@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
-import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .bundle_extra import ManifestExtra
 from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
 from .graphfile import read_graph_facts
+from .schema import (MAX_CONTEXT, MAX_DRAFT_TOKENS, ROLES, choice, positive, read_field, refuse_unknown, relpath,
+                     show)
 
 FORMAT_NAME = "specedge-bundle"
 # 2: graphs implement sliding-window attention and models record it (attention_windows).
@@ -40,29 +41,13 @@ MANIFEST_FILE = "manifest.json"
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 ATTENTIONS = ("standard", "gqa")  # plain ONNX ops, or ORT's fused GroupQueryAttention
 KV_DTYPES = ("float32", "float16")
-# Keys of `extra` the runtime reads (everything else there is informational).
-COST_PROFILE_KEY = "cost_profile"  # measured step costs (runtime/profile.py writes it)
-BATCH_VARIANCE_KEY = "batch_variance"  # role -> max |verify - step| logit difference (export writes it)
 
 # Reading 1 MiB at a time keeps hashing a 1 GB weight file at disk speed without holding it in RAM.
 _HASH_CHUNK = 1 << 20
-# Integer fields are counts and sizes: anything past int64 is garbage, and past ~4300 digits
-# Python cannot even print it (str(int) raises ValueError), so it is refused before any message.
-_MAX_INT_BITS = 63
-MAX_CONTEXT = 1 << 20  # the largest max_context `specedge export` accepts
-# The largest draft length a bundle may declare: a verify of 65 tokens is far past any measured gain.
-MAX_DRAFT_TOKENS = 64
-# Error messages quote untrusted values: bounded in nesting and length (a plain repr() of a
-# 5000-deep list raises RecursionError).
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
-
-
-def _show(value: Any) -> str:
-    """A short repr of an untrusted value for an error message."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_INT_BITS:
-        return f"<{value.bit_length()}-bit integer>"
-    return _REPR.repr(value)
+__all__ = ["ATTENTIONS", "FORMAT_VERSION", "KV_DTYPES", "MANIFEST_FILE", "MAX_CONTEXT", "MAX_DRAFT_TOKENS",
+           "PRECISIONS", "ROLES", "FileRecord", "Manifest", "ManifestExtra", "ModelEntry", "ModelIO", "SpeculationDefaults",
+           "TokenizerEntry", "check_graph_files", "check_vocab_compatible", "file_record", "load_head_tokens",
+           "load_manifest", "parse_manifest", "resolve_inside", "sha256_file", "write_manifest"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +80,18 @@ class ModelIO:
     present_value: str = "present_value.%d"
     seqlens_k: str = "seqlens_k"
     total_sequence_length: str = "total_sequence_length"
+
+    def inputs(self, n_layers: int, attention: str) -> tuple[str, ...]:
+        """The graph's input names, in the order the exporter declares them."""
+        lengths = (self.seqlens_k, self.total_sequence_length) if attention == "gqa" else ()
+        return (self.input_ids, self.positions, self.num_logits, *lengths,
+                *(name % i for i in range(n_layers) for name in (self.past_key, self.past_value)))
+
+    def outputs(self, n_layers: int, attention: str) -> tuple[str, ...]:
+        """The graph's output names, in the order the exporter declares them: the logits, then per
+        layer the new K/V (standard) or the shared present cache (gqa)."""
+        key, value = (self.present_key, self.present_value) if attention == "gqa" else (self.new_key, self.new_value)
+        return (self.logits, *(name % i for i in range(n_layers) for name in (key, value)))
 
 
 @dataclass(frozen=True)
@@ -154,15 +151,53 @@ class SpeculationDefaults:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """The checksum of one bundle file (manifest ``files[relpath]``)."""
+
+    sha256: str  # 64 lowercase hex digits
+    size: int  # bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "size": self.size}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "FileRecord":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object with sha256 and size")
+        refuse_unknown(obj, ("sha256", "size"), where)
+        digest = read_field(obj, "sha256", where, str)
+        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+            raise ManifestError(f"manifest field '{where}.sha256' must be 64 lowercase hex digits")
+        size = read_field(obj, "size", where, int)
+        if size < 0:
+            raise ManifestError(f"manifest field '{where}.size' must be >= 0")
+        return cls(digest, size)
+
+
+@dataclass(frozen=True)
 class Manifest:
     target: ModelEntry
     tokenizer: TokenizerEntry
     speculation: SpeculationDefaults
-    files: dict[str, dict[str, Any]]  # relpath -> {"sha256": hex, "size": int}
+    files: dict[str, FileRecord]  # bundle-relative path -> its checksum
     draft: ModelEntry | None = None
     created_by: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form export facts (timings, profiles)
+    extra: ManifestExtra = field(default_factory=ManifestExtra)  # export facts, cost profile, engine records
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        # Decoded JSON given to the constructor goes through the one parser of its part.
+        if isinstance(self.extra, dict):
+            object.__setattr__(self, "extra", ManifestExtra.from_dict(self.extra))
+        if any(isinstance(meta, dict) for meta in self.files.values()):
+            object.__setattr__(self, "files", {rel: meta if isinstance(meta, FileRecord) else
+                                               FileRecord.from_dict(meta, f"files[{rel!r}]")
+                                               for rel, meta in self.files.items()})
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every file the manifest lists."""
+        return sum(f.size for f in self.files.values())
 
     @property
     def format_notes(self) -> tuple[str, ...]:
@@ -196,8 +231,8 @@ class Manifest:
             "models": {name: entry(m) for name, m in self.models().items()},
             "tokenizer": asdict(self.tokenizer),
             "speculation": asdict(self.speculation),
-            "files": self.files,
-            "extra": self.extra,
+            "files": {rel: f.to_dict() for rel, f in self.files.items()},
+            "extra": self.extra.to_dict(),
         }
         return out
 
@@ -205,76 +240,25 @@ class Manifest:
 # --------------------------------------------------------------------------- parsing
 
 
-def _get(obj: dict[str, Any], key: str, where: str, kind: type | tuple[type, ...], *, optional: bool = False,
-         default: Any = None) -> Any:
-    """Fetch ``obj[key]`` and check its type; errors name the dotted field path."""
-    name = f"{where}.{key}" if where else key
-    if key not in obj:
-        if optional:
-            return default
-        raise ManifestError(f"manifest field '{name}' is missing")
-    value = obj[key]
-    if value is None and optional:
-        return default
-    # bool is an int subclass; an int field must not accept true/false.
-    if kind is int or (isinstance(kind, tuple) and int in kind and bool not in kind):
-        if isinstance(value, bool):
-            raise ManifestError(f"manifest field '{name}' must be an integer, got {value!r}")
-    if not isinstance(value, kind):
-        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ManifestError(f"manifest field '{name}' must be {want}, got {type(value).__name__} {_show(value)}")
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_INT_BITS:
-        raise ManifestError(f"manifest field '{name}' must fit in 64 bits, got {_show(value)}")
-    return value
-
-
-def _positive(value: int, name: str) -> int:
-    if value < 1:
-        raise ManifestError(f"manifest field '{name}' must be >= 1, got {value}")
-    return value
-
-
-def _choice(value: str, allowed: tuple[str, ...], name: str) -> str:
-    if value not in allowed:
-        raise ManifestError(f"manifest field '{name}' must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
-def _relpath(value: str, name: str) -> str:
-    """Refuse paths that could leave the bundle before touching the file system."""
-    if not value or "\x00" in value:
-        raise UnsafePathError(f"manifest field '{name}' is an empty or invalid path")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file system can name it
-        raise UnsafePathError(f"manifest field '{name}' is not a valid UTF-8 path: {_show(value)}") from None
-    if value.startswith(("/", "\\")) or (len(value) > 1 and value[1] == ":"):
-        raise UnsafePathError(f"manifest field '{name}' is an absolute path ({value!r}); bundle paths are relative")
-    parts = PurePosixPath(value.replace("\\", "/")).parts
-    if ".." in parts:
-        raise UnsafePathError(f"manifest field '{name}' ({value!r}) contains '..' and would leave the bundle")
-    return value
-
-
 def _parse_io(obj: dict[str, Any], where: str) -> ModelIO:
     defaults = ModelIO()
     values = {}
     for key in asdict(defaults):
-        values[key] = _get(obj, key, where, str, optional=True, default=getattr(defaults, key))
+        values[key] = read_field(obj, key, where, str, optional=True, default=getattr(defaults, key))
     for key in ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value"):
         # A printf pattern, formatted as pattern % layer: exactly one %d conversion, and '%'
         # otherwise only as '%%' ("%%d" is a literal "%d", and "%s%d" takes two arguments).
         conversions = re.findall(r"%(.?)", values[key])
         if conversions.count("d") != 1 or any(c not in ("d", "%") for c in conversions):
             raise ManifestError(f"manifest field '{where}.{key}' must contain exactly one '%d' (layer index), "
-                                f"and '%' only as '%%'; got {_show(values[key])}")
+                                f"and '%' only as '%%'; got {show(values[key])}")
     return ModelIO(**values)
 
 
 def _parse_model(obj: Any, where: str) -> ModelEntry:
     if not isinstance(obj, dict):
         raise ManifestError(f"manifest field '{where}' must be an object")
-    ints = {k: _positive(_get(obj, k, where, int), f"{where}.{k}")
+    ints = {k: positive(read_field(obj, k, where, int), f"{where}.{k}")
             for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context")}
     if ints["max_context"] > MAX_CONTEXT:  # it sizes a preallocated KV cache: a lie would be a MemoryError
         raise ManifestError(f"manifest field '{where}.max_context' must be <= {MAX_CONTEXT}, "
@@ -282,46 +266,46 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
     if ints["n_heads"] % ints["n_kv_heads"]:
         raise ManifestError(f"manifest field '{where}.n_heads' ({ints['n_heads']}) must be a multiple of "
                             f"n_kv_heads ({ints['n_kv_heads']})")
-    head_size = _get(obj, "head_size", where, int, optional=True, default=0)
+    head_size = read_field(obj, "head_size", where, int, optional=True, default=0)
     if not 0 <= head_size <= ints["vocab_size"]:
         raise ManifestError(f"manifest field '{where}.head_size' must be in [0, vocab_size={ints['vocab_size']}]"
                             f", got {head_size}")
     if bool(head_size) != bool(obj.get("head_tokens")):
         raise ManifestError(f"manifest fields '{where}.head_size' and '{where}.head_tokens' go together")
-    eos = _get(obj, "eos_token_ids", where, list)
+    eos = read_field(obj, "eos_token_ids", where, list)
     for i, tok in enumerate(eos):
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < ints["vocab_size"]:
             raise ManifestError(f"manifest field '{where}.eos_token_ids[{i}]' must be a token id in "
-                                f"[0, {ints['vocab_size']}), got {_show(tok)}")
-    data_files = _get(obj, "data_files", where, list, optional=True, default=[])
+                                f"[0, {ints['vocab_size']}), got {show(tok)}")
+    data_files = read_field(obj, "data_files", where, list, optional=True, default=[])
     for i, rel in enumerate(data_files):
         if not isinstance(rel, str):
             raise ManifestError(f"manifest field '{where}.data_files[{i}]' must be a string")
-        _relpath(rel, f"{where}.data_files[{i}]")
-    io = _get(obj, "io", where, dict, optional=True, default={})
-    windows = _get(obj, "attention_windows", where, list, optional=True, default=[])
+        relpath(rel, f"{where}.data_files[{i}]")
+    io = read_field(obj, "io", where, dict, optional=True, default={})
+    windows = read_field(obj, "attention_windows", where, list, optional=True, default=[])
     if windows and len(windows) != ints["n_layers"]:
         raise ManifestError(f"manifest field '{where}.attention_windows' must list one window per layer "
                             f"({ints['n_layers']}), got {len(windows)}")
     for i, window in enumerate(windows):
         if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_CONTEXT:
             raise ManifestError(f"manifest field '{where}.attention_windows[{i}]' must be a window length in "
-                                f"[0, {MAX_CONTEXT}] (0 = full attention), got {_show(window)}")
+                                f"[0, {MAX_CONTEXT}] (0 = full attention), got {show(window)}")
     return ModelEntry(
-        graph=_relpath(_get(obj, "graph", where, str), f"{where}.graph"),
-        architecture=_get(obj, "architecture", where, str),
-        source=_get(obj, "source", where, str, optional=True, default=""),
-        precision=_choice(_get(obj, "precision", where, str), PRECISIONS, f"{where}.precision"),
-        kv_dtype=_choice(_get(obj, "kv_dtype", where, str, optional=True, default="float32"), KV_DTYPES,
+        graph=relpath(read_field(obj, "graph", where, str), f"{where}.graph"),
+        architecture=read_field(obj, "architecture", where, str),
+        source=read_field(obj, "source", where, str, optional=True, default=""),
+        precision=choice(read_field(obj, "precision", where, str), PRECISIONS, f"{where}.precision"),
+        kv_dtype=choice(read_field(obj, "kv_dtype", where, str, optional=True, default="float32"), KV_DTYPES,
                          f"{where}.kv_dtype"),
         eos_token_ids=tuple(eos),
         data_files=tuple(data_files),
-        tokenizer_sha256=_get(obj, "tokenizer_sha256", where, str, optional=True, default=""),
-        attention=_choice(_get(obj, "attention", where, str, optional=True, default="standard"), ATTENTIONS,
+        tokenizer_sha256=read_field(obj, "tokenizer_sha256", where, str, optional=True, default=""),
+        attention=choice(read_field(obj, "attention", where, str, optional=True, default="standard"), ATTENTIONS,
                           f"{where}.attention"),
-        head_tokens=(_relpath(h, f"{where}.head_tokens")
-                     if (h := _get(obj, "head_tokens", where, str, optional=True)) else None),
-        head_size=_get(obj, "head_size", where, int, optional=True, default=0),
+        head_tokens=(relpath(h, f"{where}.head_tokens")
+                     if (h := read_field(obj, "head_tokens", where, str, optional=True)) else None),
+        head_size=read_field(obj, "head_size", where, int, optional=True, default=0),
         attention_windows=tuple(windows),
         io=_parse_io(io, f"{where}.io"),
         **ints,
@@ -332,70 +316,63 @@ def parse_manifest(obj: Any) -> Manifest:
     """Validate a decoded manifest.json. Raises ManifestError naming the bad field."""
     if not isinstance(obj, dict):
         raise ManifestError("manifest.json must hold a JSON object")
-    fmt = _get(obj, "format", "", str)
+    fmt = read_field(obj, "format", "", str)
     if fmt != FORMAT_NAME:
         raise ManifestError(f"manifest field 'format' must be {FORMAT_NAME!r}, got {fmt!r}: not a specedge bundle")
-    version = _get(obj, "format_version", "", int)
+    version = read_field(obj, "format_version", "", int)
     if version != FORMAT_VERSION and version not in LEGACY_FORMAT_NOTES:
         readable = ", ".join(str(v) for v in sorted({FORMAT_VERSION, *LEGACY_FORMAT_NOTES}))
         raise ManifestError(f"manifest format_version {version} is not supported (this specedge reads "
                             f"versions {readable}); re-export the bundle with this version")
-    models = _get(obj, "models", "", dict)
+    models = read_field(obj, "models", "", dict)
     if "target" not in models:
         raise ManifestError("manifest field 'models.target' is missing")
-    unknown = set(models) - {"target", "draft"}
+    unknown = set(models) - set(ROLES)
     if unknown:
-        raise ManifestError(f"manifest field 'models' has unknown entries {sorted(unknown)}; allowed: target, draft")
+        raise ManifestError(f"manifest field 'models' has unknown entries {sorted(unknown)}; allowed: "
+                            f"{', '.join(ROLES)}")
     target = _parse_model(models["target"], "models.target")
     draft = _parse_model(models["draft"], "models.draft") if models.get("draft") is not None else None
 
-    tok = _get(obj, "tokenizer", "", dict)
+    tok = read_field(obj, "tokenizer", "", dict)
     tokenizer = TokenizerEntry(
-        file=_relpath(_get(tok, "file", "tokenizer", str), "tokenizer.file"),
-        config=_relpath(c, "tokenizer.config") if (c := _get(tok, "config", "tokenizer", str, optional=True)) else None,
-        chat_template=(_relpath(c, "tokenizer.chat_template")
-                       if (c := _get(tok, "chat_template", "tokenizer", str, optional=True)) else None),
-        sha256=_get(tok, "sha256", "tokenizer", str, optional=True, default=""),
-        bos_token=_get(tok, "bos_token", "tokenizer", str, optional=True),
-        eos_token=_get(tok, "eos_token", "tokenizer", str, optional=True),
-        add_bos_token=_get(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
+        file=relpath(read_field(tok, "file", "tokenizer", str), "tokenizer.file"),
+        config=relpath(c, "tokenizer.config") if (c := read_field(tok, "config", "tokenizer", str, optional=True)) else None,
+        chat_template=(relpath(c, "tokenizer.chat_template")
+                       if (c := read_field(tok, "chat_template", "tokenizer", str, optional=True)) else None),
+        sha256=read_field(tok, "sha256", "tokenizer", str, optional=True, default=""),
+        bos_token=read_field(tok, "bos_token", "tokenizer", str, optional=True),
+        eos_token=read_field(tok, "eos_token", "tokenizer", str, optional=True),
+        add_bos_token=read_field(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
     )
 
     # The drafter registry names the drafters; imported here, not at the top: the runtime imports this module.
     from .runtime.drafters import DRAFTER_CHOICES, needs_draft_model
 
-    spec = _get(obj, "speculation", "", dict, optional=True, default={})
+    spec = read_field(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
-    max_draft = _get(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
+    max_draft = read_field(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
     if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
         raise ManifestError(f"manifest field 'speculation.max_draft_tokens' must be in [1, {MAX_DRAFT_TOKENS}], "
                             f"got {max_draft}")
-    draft_tokens = _get(spec, "draft_tokens", "speculation", int, optional=True, default=min(defaults.draft_tokens,
+    draft_tokens = read_field(spec, "draft_tokens", "speculation", int, optional=True, default=min(defaults.draft_tokens,
                                                                                             max_draft))
     if not 0 <= draft_tokens <= max_draft:
         raise ManifestError(f"manifest field 'speculation.draft_tokens' must be in [0, max_draft_tokens={max_draft}],"
                             f" got {draft_tokens}")
     speculation = SpeculationDefaults(
-        drafter=_choice(_get(spec, "drafter", "speculation", str, optional=True,
+        drafter=choice(read_field(spec, "drafter", "speculation", str, optional=True,
                              default="model" if draft else "ngram"), DRAFTER_CHOICES, "speculation.drafter"),
         draft_tokens=draft_tokens,
         max_draft_tokens=max_draft,
-        adaptive=_get(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
+        adaptive=read_field(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
     )
     if needs_draft_model(speculation.drafter) and draft is None:
         raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
                             "no models.draft")
 
-    files = _get(obj, "files", "", dict)
-    for rel, meta in files.items():
-        _relpath(rel, f"files[{rel!r}]")
-        if not isinstance(meta, dict):
-            raise ManifestError(f"manifest field 'files[{rel!r}]' must be an object with sha256 and size")
-        digest = _get(meta, "sha256", f"files[{rel!r}]", str)
-        if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
-            raise ManifestError(f"manifest field 'files[{rel!r}].sha256' must be 64 lowercase hex digits")
-        if _get(meta, "size", f"files[{rel!r}]", int) < 0:
-            raise ManifestError(f"manifest field 'files[{rel!r}].size' must be >= 0")
+    files = {relpath(rel, f"files[{rel!r}]"): FileRecord.from_dict(meta, f"files[{rel!r}]")
+             for rel, meta in read_field(obj, "files", "", dict).items()}
     # Every file the runtime reads needs a checksum, the chat template (rendered) included.
     referenced = [tokenizer.file] + [m.graph for m in (target, draft) if m] + \
                  [d for m in (target, draft) if m for d in m.data_files] + \
@@ -409,51 +386,11 @@ def parse_manifest(obj: Any) -> Manifest:
         check_vocab_compatible(target, draft)
 
     return Manifest(
-        target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=dict(files),
-        created_by=_get(obj, "created_by", "", str, optional=True, default=""),
-        extra=_parse_extra(_get(obj, "extra", "", dict, optional=True, default={})),
+        target=target, draft=draft, tokenizer=tokenizer, speculation=speculation, files=files,
+        created_by=read_field(obj, "created_by", "", str, optional=True, default=""),
+        extra=ManifestExtra.from_dict(read_field(obj, "extra", "", dict, optional=True, default={})),
         format_version=version,
     )
-
-
-def _finite(value: Any, name: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ManifestError(f"manifest field '{name}' must be a finite number {'> 0' if positive else '>= 0'}, "
-                            f"got {_show(value)}")
-    return float(value)
-
-
-def _parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
-    """Check the parts of ``extra`` the runtime reads; the rest stays free-form."""
-    variance = extra.get(BATCH_VARIANCE_KEY)
-    if variance is not None:
-        if not isinstance(variance, dict):
-            raise ManifestError(f"manifest field 'extra.{BATCH_VARIANCE_KEY}' must be an object of role -> number, "
-                                f"got {_show(variance)}")
-        for role, value in variance.items():
-            _finite(value, f"extra.{BATCH_VARIANCE_KEY}.{role}")
-    profile = extra.get(COST_PROFILE_KEY)
-    if profile is not None:
-        where = f"extra.{COST_PROFILE_KEY}"
-        if not isinstance(profile, dict):
-            raise ManifestError(f"manifest field '{where}' must be an object, got {_show(profile)}")
-        _get(profile, "machine", where, dict)
-        steps = _get(profile, "target_s", where, dict)
-        for n, seconds in steps.items():
-            if not (isinstance(n, str) and n.isdigit() and 1 <= int(n) <= 65):  # verify lengths 1..max_draft+1
-                raise ManifestError(f"manifest field '{where}.target_s' has key {_show(n)}; keys are verify "
-                                    "lengths '1'..'65'")
-            _finite(seconds, f"{where}.target_s.{n}", positive=True)
-        if "1" not in steps:
-            raise ManifestError(f"manifest field '{where}.target_s' lacks '1' (the plain step every profile has)")
-        for key in ("draft_token_s", "draft_catchup_token_s"):
-            if profile.get(key) is not None:
-                _finite(profile[key], f"{where}.{key}", positive=True)
-        context = _get(profile, "context", where, int, optional=True, default=0)
-        if context < 0:
-            raise ManifestError(f"manifest field '{where}.context' must be >= 0, got {context}")
-    return extra
 
 
 def check_vocab_compatible(target: ModelEntry, draft: ModelEntry) -> None:
@@ -481,20 +418,20 @@ def sha256_file(path: Path) -> str:
 
 def resolve_inside(bundle: Path, rel: str) -> Path:
     """Return bundle/rel, refusing anything (symlinks included) that resolves outside the bundle."""
-    _relpath(rel, rel)
+    relpath(rel, rel)
     try:
         root = bundle.resolve()
         path = (root / rel).resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
-        raise UnsafePathError(f"bundle path {_show(rel)} cannot be resolved ({exc.__class__.__name__}: "
+        raise UnsafePathError(f"bundle path {show(rel)} cannot be resolved ({exc.__class__.__name__}: "
                               "a symlink loop?)") from None
     if not path.is_relative_to(root):
         raise UnsafePathError(f"bundle path {rel!r} resolves to {path}, outside the bundle {root} (symlink?)")
     return path
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+def file_record(path: Path) -> FileRecord:
+    return FileRecord(sha256_file(path), path.stat().st_size)
 
 
 def load_head_tokens(bundle: Path, entry: ModelEntry) -> "np.ndarray | None":
@@ -540,18 +477,18 @@ def load_manifest(bundle: str | os.PathLike[str], *, verify_checksums: bool = Tr
             is_file = path.is_file()
             size = path.stat().st_size if is_file else -1
         except OSError as exc:  # e.g. a name too long for the file system
-            raise BundleError(f"bundle file {_show(rel)} listed in the manifest cannot be read: "
+            raise BundleError(f"bundle file {show(rel)} listed in the manifest cannot be read: "
                               f"{exc.strerror}") from None
         if not is_file:
             raise BundleError(f"bundle file {rel!r} listed in the manifest is missing from {root}")
-        if size != meta["size"]:
-            raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta['size']} "
+        if size != meta.size:
+            raise ChecksumError(f"bundle file {rel!r} is {size} bytes but the manifest records {meta.size} "
                                 "(truncated or replaced); re-export the bundle")
         if verify_checksums:
             digest = sha256_file(path)
-            if digest != meta["sha256"]:
+            if digest != meta.sha256:
                 raise ChecksumError(f"bundle file {rel!r} has sha256 {digest[:16]}… but the manifest records "
-                                    f"{meta['sha256'][:16]}… (corrupt or tampered); re-export the bundle")
+                                    f"{meta.sha256[:16]}… (corrupt or tampered); re-export the bundle")
     check_graph_files(root, manifest)
     return manifest
 
@@ -581,10 +518,10 @@ def check_graph_files(bundle: Path, manifest: Manifest) -> None:
         facts = read_graph_facts(resolve_inside(bundle, entry.graph))
         folder = PurePosixPath(entry.graph.replace("\\", "/")).parent
         for location in sorted(facts.external_locations):
-            where = f"{entry.graph}'s external_data location {_show(location)}"
+            where = f"{entry.graph}'s external_data location {show(location)}"
             if location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
                 raise UnsafePathError(f"{where} is an absolute path; a bundle graph reads only files beside it")
-            rel = _relpath(str(folder / location.replace("\\", "/")), where)
+            rel = relpath(str(folder / location.replace("\\", "/")), where)
             resolve_inside(bundle, rel)
             if rel not in entry.data_files:
                 raise ChecksumError(f"{where} names {rel!r}, which models.{role}.data_files does not list, so no "

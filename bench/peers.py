@@ -35,9 +35,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..runtime.divergence import first_divergence
+
+if TYPE_CHECKING:
+    from .runner import BenchSettings
 from . import metrics
 from .configs import BASELINE
 
@@ -616,7 +619,7 @@ def _run_record(r: PeerRun) -> dict:
             "tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s}
 
 
-def run_peers(settings, gen, workloads, our_runs, best: dict, log,
+def run_peers(settings: "BenchSettings", gen, workloads, our_runs, best: dict, log,
               on_event: Callable[[dict], None] | None = None) -> dict:
     """Run every requested peer, each in its own process and default configuration.
 
@@ -631,8 +634,7 @@ def run_peers(settings, gen, workloads, our_runs, best: dict, log,
     reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
     jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
     companions = _companions(gen, best) if gen is not None else {}
-    ctx_args = {"bundle": str(getattr(settings, "bundle", "")), "threads": getattr(settings, "threads", 0),
-                "peer_options": getattr(settings, "peer_options", {})}
+    ctx_args = {"bundle": str(settings.bundle), "threads": settings.threads, "peer_options": settings.peer_options}
     results: dict = {}
     for peer in settings.peers:
         if peer not in SETUPS:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
@@ -101,17 +101,18 @@ def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs,
     .partial.jsonl file as they finish.
     """
     from ..bench.report import partial_results_path, plot, render_markdown, to_json, write_results
+    from ..bench.configs import DEFAULT_K_SWEEP
     from ..bench.runner import BenchSettings, run_bench
     from ..errors import InvalidParameterError
 
-    defaults = dict(QUICK) if quick else {"per_category": None, "max_new_tokens": 64, "repeats": 3,
-                                          "warmup_tokens": 16, "micro_reps": 10}
+    # Without --quick, BenchSettings' own defaults (its one definition).
+    defaults = dict(QUICK) if quick else {f.name: f.default for f in fields(BenchSettings) if f.name in QUICK}
     given = {"per_category": per_category, "max_new_tokens": max_new_tokens, "repeats": repeats}
     values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if values["repeats"] < 1 or values["max_new_tokens"] < 1:
         raise InvalidParameterError("--repeats and --max-new-tokens must be >= 1")
     try:
-        sweep = tuple(int(k) for k in _csv(k_sweep)) if k_sweep else (QUICK_K if quick else (2, 4, 6, 8))
+        sweep = tuple(int(k) for k in _csv(k_sweep)) if k_sweep else (QUICK_K if quick else DEFAULT_K_SWEEP)
     except ValueError:
         raise InvalidParameterError(f"--k-sweep must be integers, comma separated; got {k_sweep!r}") from None
     if quick and configs is None:

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .. import __version__
 from ..errors import SpecedgeError
+from ..bundle_extra import ROUTES
+from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
 from ..manifest import ATTENTIONS, PRECISIONS
 from .options import config_from, generation_options
+
+if TYPE_CHECKING:
+    from ..bundle_extra import CostProfile
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, "
@@ -132,12 +139,12 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
-@click.option("--engine", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="onnxruntime", show_default=True,
               help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
               "fp32/fp16; see docs/GPU.md).")
-@click.option("--trt-route", type=click.Choice(["ort-trt", "native"]), default="ort-trt", show_default=True,
+@click.option("--trt-route", type=click.Choice(ROUTES), default="ort-trt", show_default=True,
               help="ort-trt: ONNX Runtime's TensorRT EP engine cache; native: a TensorRT plan (tensorrt + cuda-python).")
-@click.option("--trt-precision", type=click.Choice(["fp32", "fp16"]), default="fp16", show_default=True,
+@click.option("--trt-precision", type=click.Choice(BUILD_PRECISIONS), default="fp16", show_default=True,
               help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Time draft/target steps and v(k) on this machine and record the "
               "cost profile in the manifest, so the adaptive controller starts informed.")
@@ -169,14 +176,14 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         from ..export.tensorrt import build_engines_for_bundle
 
         manifest = build_engines_for_bundle(out, precision=trt_precision, route=trt_route, quiet=quiet)
-    extra = manifest.to_json()["extra"]
+    extra = manifest.extra
     if tune:
-        extra["cost_profile"] = _tune(out, threads=0, quiet=quiet)
+        extra = replace(extra, cost_profile=_tune(out, threads=0, quiet=quiet))
     if as_json:
-        click.echo(json.dumps(extra | {"out": str(out)}, indent=2))
+        click.echo(json.dumps(extra.to_dict() | {"out": str(out)}, indent=2))
 
 
-def _tune(bundle: Path, threads: int, quiet: bool) -> dict:
+def _tune(bundle: Path, threads: int, quiet: bool) -> CostProfile:
     from ..runtime import profile as cost_profile
     from ..runtime.generator import Generator
 
@@ -203,7 +210,7 @@ def tune(bundle: Path, threads: int, as_json: bool) -> None:
     """
     measured = _tune(bundle, threads, quiet=as_json)
     if as_json:
-        click.echo(json.dumps(measured, indent=2))
+        click.echo(json.dumps(measured.to_dict(), indent=2))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -294,7 +301,7 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
             described["format_notes"] = list(manifest.format_notes)
         click.echo(json.dumps(described, indent=2))
         return
-    size = sum(f["size"] for f in manifest.files.values())
+    size = manifest.total_bytes
     click.echo(f"bundle {bundle}  ({size / 1e6:.0f} MB, format v{manifest.format_version}, {manifest.created_by})")
     for note in manifest.format_notes:
         click.echo(f"  warning: {note}")

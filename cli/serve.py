@@ -7,9 +7,8 @@ from pathlib import Path
 import click
 
 from ..engines.base import PROVIDERS
-
-DEFAULT_QUEUE_SIZE = 16  # keep in step with server.app.DEFAULT_QUEUE_SIZE (not imported: starlette may be absent)
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+from ..server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S,
+                             MAX_SHUTDOWN_GRACE_S)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -34,7 +33,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               "the draft model is not loaded.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
-@click.option("--shutdown-grace", type=click.FloatRange(0, 3600), default=5.0, show_default=True,
+@click.option("--shutdown-grace", type=click.FloatRange(0, MAX_SHUTDOWN_GRACE_S), default=DEFAULT_SHUTDOWN_GRACE_S,
+              show_default=True,
               help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
               "Queued and new requests get 503 at once.")
 @click.option("--cache-slots", type=click.IntRange(1, 256), default=4, show_default=True,

@@ -111,14 +111,9 @@ class OrtEngine:
         io = self.entry.io
         have_in = {i.name for i in self.session.get_inputs()}
         have_out = {o.name for o in self.session.get_outputs()}
-        need_in = {io.input_ids, io.positions, io.num_logits}
-        need_out = {io.logits}
+        need_in = set(io.inputs(self.entry.n_layers, self.entry.attention))
+        need_out = set(io.outputs(self.entry.n_layers, self.entry.attention))
         gqa = self.entry.attention == "gqa"
-        if gqa:
-            need_in |= {io.seqlens_k, io.total_sequence_length}
-        for i in range(self.entry.n_layers):
-            need_in |= {io.past_key % i, io.past_value % i}
-            need_out |= {io.present_key % i, io.present_value % i} if gqa else {io.new_key % i, io.new_value % i}
         missing = sorted(need_in - have_in) + sorted(need_out - have_out)
         if missing:
             raise ModelLoadError(f"graph {self.entry.graph} lacks tensors the manifest names: {missing[:6]}; "

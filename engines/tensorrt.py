@@ -26,19 +26,18 @@ import importlib.util
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ManifestError, ModelLoadError
-from ..manifest import ModelEntry, ModelIO, _get, _relpath, load_manifest, resolve_inside, sha256_file
+from ..bundle_extra import EngineRecord, Profile, ShapeRange
+from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ModelLoadError
+from ..manifest import ModelEntry, ModelIO, load_manifest, resolve_inside, sha256_file
 from .base import EngineOptions, KVCache
 from .device import ALIGNMENT, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
 
-ROUTES = ("ort-trt", "native")  # ONNX Runtime's TensorRT EP with its engine cache, or a plan we build ourselves
-TRT_PRECISIONS = ("fp32", "fp16", "int8")
 REBUILD_HINT = "rebuild with `specedge export --engine tensorrt`"
 # specedge graphs take int64 ids/positions; TensorRT accepts int64 network inputs from 10.0.
 MIN_TENSORRT_MAJOR = 10
@@ -48,85 +47,6 @@ ORT_TRT_EP_TENSORRT_MAJOR = 10
 
 
 # --------------------------------------------------------------------------- profiles
-
-
-@dataclass(frozen=True)
-class ShapeRange:
-    """min/opt/max of one input: its dims (execution tensor) or its values (shape tensor)."""
-
-    min: tuple[int, ...]
-    opt: tuple[int, ...]
-    max: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        for name in ("min", "opt", "max"):
-            object.__setattr__(self, name, tuple(int(d) for d in getattr(self, name)))
-        if not len(self.min) == len(self.opt) == len(self.max):
-            raise InvalidParameterError(f"shape range {self} has min/opt/max of different ranks")
-        if any(not 0 <= lo <= mid <= hi for lo, mid, hi in zip(self.min, self.opt, self.max)):
-            raise InvalidParameterError(f"shape range {self} needs 0 <= min <= opt <= max in every dimension")
-
-    def contains(self, dims: tuple[int, ...]) -> bool:
-        return len(dims) == len(self.min) and all(lo <= d <= hi for lo, d, hi in zip(self.min, dims, self.max))
-
-    def to_json(self) -> dict[str, list[int]]:
-        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> "ShapeRange":
-        if not isinstance(obj, dict):
-            raise ManifestError(f"manifest field '{where}' must be an object with min, opt and max")
-        dims = {}
-        for key in ("min", "opt", "max"):
-            value = _get(obj, key, where, list)
-            if any(isinstance(d, bool) or not isinstance(d, int) for d in value):
-                raise ManifestError(f"manifest field '{where}.{key}' must be a list of integers")
-            dims[key] = tuple(value)
-        try:
-            return cls(**dims)
-        except InvalidParameterError as exc:
-            raise ManifestError(f"manifest field '{where}': {exc}") from None
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One TensorRT optimization profile.
-
-    ``shapes``: input name -> dims range for execution tensors (ids, positions, past K/V).
-    ``values``: input name -> *values* range for shape tensors; ``num_logits_to_keep``
-    feeds a Slice start, which TensorRT treats as a shape tensor read from host memory.
-    """
-
-    name: str
-    shapes: dict[str, ShapeRange]
-    values: dict[str, ShapeRange] = field(default_factory=dict)
-
-    def new_tokens(self, io: ModelIO) -> tuple[int, int]:
-        r = self._shape(io.input_ids)
-        return r.min[1], r.max[1]
-
-    def past_length(self, io: ModelIO) -> tuple[int, int]:
-        r = self._shape(io.past_key % 0)
-        return r.min[0], r.max[0]
-
-    def _shape(self, name: str) -> ShapeRange:
-        if name not in self.shapes:  # a record is manifest data: say which profile is incomplete
-            raise ManifestError(f"TensorRT profile {self.name!r} has no shape range for {name!r}")
-        return self.shapes[name]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shapes": {k: r.to_json() for k, r in self.shapes.items()},
-                "values": {k: r.to_json() for k, r in self.values.items()}}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> "Profile":
-        if not isinstance(obj, dict):
-            raise ManifestError(f"manifest field '{where}' must be an object")
-        shapes = _get(obj, "shapes", where, dict)
-        values = _get(obj, "values", where, dict, optional=True, default={})
-        return cls(name=_get(obj, "name", where, str),
-                   shapes={k: ShapeRange.from_json(v, f"{where}.shapes.{k}") for k, v in shapes.items()},
-                   values={k: ShapeRange.from_json(v, f"{where}.values.{k}") for k, v in values.items()})
 
 
 def select_profile(profiles: list[Profile] | tuple[Profile, ...], io: ModelIO, n: int, past: int) -> int:
@@ -182,75 +102,6 @@ def forward_in_chunks(run: Callable[[np.ndarray, KVCache, int], np.ndarray], inp
 
 
 # --------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class EngineRecord:
-    """How one bundle model's TensorRT engine was built; manifest ``extra["engines"][role]``."""
-
-    route: str  # one of ROUTES
-    tensorrt_version: str  # "10.3.0"; "" when the builder could not tell (ort-trt without the tensorrt module)
-    gpu_name: str  # e.g. "NVIDIA H200": engines are tuned for one device model
-    compute_capability: str  # e.g. "9.0"
-    precision: str  # one of TRT_PRECISIONS
-    profiles: tuple[Profile, ...]
-    file: str  # bundle-relative: the plan (native) or the TensorRT EP's cache folder (ort-trt)
-    sha256: str  # of the plan, or of the EP's .engine file; "" when the EP wrote none we could identify
-    cache_key: str
-    provider_options: dict[str, str] = field(default_factory=dict)  # ort-trt: EP options, cache paths relative
-    onnxruntime_version: str = ""  # ort-trt: the EP's cache layout follows ONNX Runtime's version
-    # ort-trt: the bundle-relative .engine file the EP wrote, whose sha256 is ``sha256``
-    # ("" in records written before it was recorded: then exactly one file must match the key).
-    engine_file: str = ""
-    # The graph the engine was built from, when not the model's own (the TensorRT rewrite; export/trt_graph.py).
-    graph: str = ""
-
-    def __post_init__(self) -> None:
-        if self.route not in ROUTES:
-            raise InvalidParameterError(f"engine route must be one of {', '.join(ROUTES)}; got {self.route!r}")
-        if self.precision not in TRT_PRECISIONS:
-            raise InvalidParameterError(f"engine precision must be one of {', '.join(TRT_PRECISIONS)}; "
-                                        f"got {self.precision!r}")
-        if not self.profiles:
-            raise InvalidParameterError("an engine record needs at least one optimization profile")
-
-    def max_new_tokens(self, io: ModelIO) -> int:
-        """The largest n any profile accepts: longer forwards are split into chunks."""
-        return max(p.new_tokens(io)[1] for p in self.profiles)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"route": self.route, "tensorrt_version": self.tensorrt_version, "gpu_name": self.gpu_name,
-                "compute_capability": self.compute_capability, "precision": self.precision,
-                "profiles": [p.to_json() for p in self.profiles], "file": self.file, "sha256": self.sha256,
-                "cache_key": self.cache_key, "provider_options": dict(self.provider_options),
-                "onnxruntime_version": self.onnxruntime_version, "engine_file": self.engine_file,
-                "graph": self.graph}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str = "extra.engines") -> "EngineRecord":
-        """Validate a decoded record; raises ManifestError naming the bad field."""
-        if not isinstance(obj, dict):
-            raise ManifestError(f"manifest field '{where}' must be an object")
-        text = {k: _get(obj, k, where, str) for k in ("route", "tensorrt_version", "gpu_name",
-                                                      "compute_capability", "precision", "sha256", "cache_key")}
-        options = _get(obj, "provider_options", where, dict, optional=True, default={})
-        if any(not isinstance(v, str) for v in options.values()):
-            raise ManifestError(f"manifest field '{where}.provider_options' must map names to strings")
-        profiles = _get(obj, "profiles", where, list)
-        try:
-            return cls(**text, file=_relpath(_get(obj, "file", where, str), f"{where}.file"),
-                       profiles=tuple(Profile.from_json(p, f"{where}.profiles[{i}]") for i, p in enumerate(profiles)),
-                       provider_options=dict(options),
-                       onnxruntime_version=_get(obj, "onnxruntime_version", where, str, optional=True, default=""),
-                       engine_file=_optional_relpath(obj, "engine_file", where),
-                       graph=_optional_relpath(obj, "graph", where))
-        except InvalidParameterError as exc:
-            raise ManifestError(f"manifest field '{where}': {exc}") from None
-
-
-def _optional_relpath(obj: dict, key: str, where: str) -> str:
-    value = _get(obj, key, where, str, optional=True, default="")
-    return _relpath(value, f"{where}.{key}") if value else ""
 
 
 @dataclass(frozen=True)
@@ -434,11 +285,7 @@ def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, Eng
         root = root.parent
     manifest = load_manifest(root, verify_checksums=False)  # checksums are the loader's job (Generator.from_bundle)
     role = next((r for r, m in manifest.models().items() if m.graph == entry.graph), "model")
-    engines = manifest.extra.get("engines", {})
-    if not isinstance(engines, dict):
-        raise ManifestError("manifest field 'extra.engines' must be an object keyed by model role")
-    raw = engines.get(role)
-    return root, role, (EngineRecord.from_json(raw, f"extra.engines.{role}") if raw is not None else None)
+    return root, role, manifest.extra.engines.get(role)
 
 
 # --------------------------------------------------------------------------- native engine
@@ -600,9 +447,7 @@ class TensorrtEngine:
     def _check_io(self, trt) -> None:
         io, e = self.entry.io, self.entry
         have = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        need = {io.input_ids, io.positions, io.num_logits, io.logits}
-        for i in range(e.n_layers):
-            need |= {io.past_key % i, io.past_value % i, io.new_key % i, io.new_value % i}
+        need = {*io.inputs(e.n_layers, e.attention), *io.outputs(e.n_layers, e.attention)}
         missing = sorted(need - have)
         if missing:
             raise ModelLoadError(f"TensorRT engine for {e.graph} lacks tensors the manifest names: {missing[:6]}; "

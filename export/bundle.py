@@ -19,12 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
-from ..manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
-                        write_manifest)
+from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
+                        SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
 from .leftovers import is_stale, pid_after
 
 SELF_DRAFTS = ("self-int4", "self-int8")
+# The smallest max_context an export takes: validation prefills and verifies across positions
+# 0..15, and the exact-steps check needs a prefix plus a 5-token verify below max_context.
+MIN_CONTEXT = 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -48,19 +52,20 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
-            if value is not None and value not in ("fp32", "fp16", "int4", "int8"):
-                raise InvalidParameterError(f"{name} must be one of fp32, fp16, int4, int8; got {value!r}")
-        if not 16 <= self.max_context <= 1 << 20:
-            raise InvalidParameterError(f"max_context must be in [16, 1048576]; got {self.max_context}")
+            if value is not None and value not in PRECISIONS:
+                raise InvalidParameterError(f"{name} must be one of {', '.join(PRECISIONS)}; got {value!r}")
+        if not MIN_CONTEXT <= self.max_context <= MAX_CONTEXT:
+            raise InvalidParameterError(f"max_context must be in [{MIN_CONTEXT}, {MAX_CONTEXT}]; got {self.max_context}")
         if self.draft_layers is not None and (self.draft_layers < 1 or self.draft not in SELF_DRAFTS):
             raise InvalidParameterError("draft_layers needs a self-draft (--draft self-int4/self-int8) and must be "
                                         f">= 1; got {self.draft_layers} with draft {self.draft!r}")
         if self.draft_vocab is not None and (self.draft_vocab < 16 or self.draft is None):
             raise InvalidParameterError(f"draft_vocab needs a draft and must be >= 16; got {self.draft_vocab}")
-        if self.attention not in ("gqa", "standard"):
-            raise InvalidParameterError(f"attention must be gqa or standard; got {self.attention!r}")
-        if not 1 <= self.max_draft_tokens <= 64:
-            raise InvalidParameterError(f"max_draft_tokens must be in [1, 64]; got {self.max_draft_tokens}")
+        if self.attention not in ATTENTIONS:
+            raise InvalidParameterError(f"attention must be {' or '.join(ATTENTIONS)}; got {self.attention!r}")
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidParameterError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]; got "
+                                        f"{self.max_draft_tokens}")
 
 
 @dataclass
@@ -82,12 +87,12 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: str, max_context: int,
-           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str, attention: str) -> ModelEntry:
+           eos: tuple[int, ...], kv_dtype: str, tokenizer_sha256: str, attention: str, io: ModelIO) -> ModelEntry:
     return ModelEntry(graph=graph, architecture=spec.architecture, source=source, precision=precision,
                       n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                       head_dim=spec.head_dim, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                       max_context=max_context, eos_token_ids=eos, kv_dtype=kv_dtype, data_files=tuple(data_files),
-                      tokenizer_sha256=tokenizer_sha256, attention=attention,
+                      tokenizer_sha256=tokenizer_sha256, attention=attention, io=io,
                       attention_windows=(spec.layer_windows[:spec.n_layers]
                                          if any(spec.layer_windows[:spec.n_layers]) else ()))
 
@@ -109,7 +114,8 @@ class _ModelExporter:
         self.edges = validation_edges(self.features, config.max_context)
         # The fused GQA graph needs rotary attention: GPT-2 always gets the standard graph.
         self.attention = config.attention if self.spec.architecture != "gpt2" else "standard"
-        self.reports: dict = {}
+        self.io = ModelIO()  # the tensor names the graphs are built with and the manifest records
+        self.reports: dict[str, ValidationRecord | ComparisonRecord] = {}  # "role:label" -> record
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
@@ -145,12 +151,12 @@ class _ModelExporter:
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
             files = build_decoder(spec, weights, graph, dtype=dtype, attention=self.attention,
-                                  max_context=cfg.max_context)
+                                  max_context=cfg.max_context, io=self.io)
             entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16",
                                 spec=spec, head_file=head_file)
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
             report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol, **check)
-            self.reports[f"{role}:{precision}"] = report.as_dict()
+            self.reports[f"{role}:{precision}"] = report
             self.batch_variance[role] = batch_variance(entry, graph)
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
@@ -159,10 +165,10 @@ class _ModelExporter:
         scratch.mkdir(exist_ok=True)
         src_graph = scratch / "model.onnx"
         src_files = build_decoder(spec, weights, src_graph, untie_lm_head=True, attention=self.attention,
-                                  max_context=cfg.max_context)
+                                  max_context=cfg.max_context, io=self.io)
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:fp32-untied"] = validate_graph(
-            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check).as_dict()
+            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
         quant = QuantConfig(bits=4 if precision == "int4" else 8, block_size=cfg.block_size,
                             accuracy_level=cfg.accuracy_level)
         files = quantize_graph(src_graph, graph, quant)
@@ -179,7 +185,7 @@ class _ModelExporter:
         entry = _entry(replace(spec, vocab_size=self.spec.vocab_size), graph=rel[0], data_files=rel[1:],
                        source=source, precision=precision, max_context=self.config.max_context,
                        eos=self.loaded.eos_token_ids, kv_dtype=kv_dtype, tokenizer_sha256=self.tokenizer_sha256,
-                       attention=self.attention)
+                       attention=self.attention, io=self.io)
         if head_file is not None:
             entry = replace(entry, head_tokens=str(head_file.relative_to(self.root)), head_size=spec.vocab_size)
         return entry
@@ -288,13 +294,13 @@ def export_bundle(config: ExportConfig) -> Manifest:
         reports = dict(target_exp.reports)
         variance = dict(target_exp.batch_variance)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
-        unknown = {"target": list(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
+        unknown = {"target": tuple(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
         # record, for this graph on this machine, that it holds and what it costs.
         from .validate import exact_steps
 
         exact = {"target": exact_steps(target, tmp / target.graph)}
-        if not exact["target"]["bit_identical"] and not config.quiet:
+        if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
                   "a verify row; speculative greedy output may differ from plain decoding at near ties",
                   file=sys.stderr)
@@ -328,7 +334,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             if draft_exp.context_warning:
                 warned["draft"] = draft_exp.context_warning
             if draft_exp.features.unknown_fields:
-                unknown["draft"] = list(draft_exp.features.unknown_fields)
+                unknown["draft"] = tuple(draft_exp.features.unknown_fields)
             del draft_exp, draft_loaded
             gc.collect()
         progress("writing manifest")
@@ -345,10 +351,9 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
-            extra={"validation": reports, "batch_variance": variance, "exact_steps": exact,
-                   **({"context_warnings": warned} if warned else {}),
-                   **({"unknown_config_fields": unknown} if unknown else {}),
-                   "export_seconds": round(time.perf_counter() - started, 1)},
+            extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
+                                context_warnings=warned, unknown_config_fields=unknown,
+                                export_seconds=round(time.perf_counter() - started, 1)),
         )
         write_manifest(tmp, manifest)
         # Set the old bundle aside (a rename) rather than deleting it first: an interrupt during the
@@ -363,7 +368,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             if old.exists() and not out.exists():
                 os.replace(old, out)
             raise
-        progress(f"bundle written to {out} ({sum(f['size'] for f in files.values()) / 1e6:.0f} MB)")
+        progress(f"bundle written to {out} ({manifest.total_bytes / 1e6:.0f} MB)")
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,17 +13,23 @@ without holding a second copy, and every graph is still checked against PyTorch
 The same graph serves prefill (n = prompt length), a decode step (n = 1) and a
 speculative verify (n = k + 1).
 
-IO (batch is always 1; n new tokens, P cached positions, T = P + n)::
+IO (batch is always 1; n new tokens, P cached positions, T = P + n). Every tensor name is the
+:class:`~specedge.manifest.ModelIO` field given here (``io.input_ids``, ...; the defaults in
+brackets), the same object the manifest records, so the engines bind what the graph declares::
 
-    input_ids            int64 [1, n]
-    position_ids         int64 [1, n]      must be P .. P+n-1
-    num_logits_to_keep   int64 [1]         logits for the last m positions
-    past_key.%d          kv    [P, n_kv_heads, head_dim]
-    past_value.%d        kv    [P, n_kv_heads, head_dim]
+    input_ids      [input_ids]            int64 [1, n]
+    positions      [position_ids]         int64 [1, n]      must be P .. P+n-1
+    num_logits     [num_logits_to_keep]   int64 [1]         logits for the last m positions
+    past_key       [past_key.%d]          kv    [P, n_kv_heads, head_dim]
+    past_value     [past_value.%d]        kv    [P, n_kv_heads, head_dim]
     ->
-    logits               float32 [1, m, vocab]
-    new_key.%d           kv    [n, n_kv_heads, head_dim]   (rotary already applied)
-    new_value.%d         kv    [n, n_kv_heads, head_dim]
+    logits         [logits]               float32 [1, m, vocab]
+    new_key        [new_key.%d]           kv    [n, n_kv_heads, head_dim]   (rotary already applied)
+    new_value      [new_value.%d]         kv    [n, n_kv_heads, head_dim]
+
+The fused-GQA graph (``attention="gqa"``) instead shares one [1, n_kv_heads, max_context, head_dim]
+buffer as ``past_key``/``past_value`` input and ``present_key``/``present_value`` output, and takes
+``seqlens_k`` and ``total_sequence_length``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+
+from ..manifest import ModelIO
 
 OPSET = 18  # ReduceMean takes axes as an input from 18 on, as ORT's int4 quantizer (opset 21) expects
 _ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -126,6 +134,7 @@ class _Builder:
 
     dtype: np.dtype
     data_path: Path | None
+    io: ModelIO = field(default_factory=ModelIO)  # the graph's tensor names (the manifest records the same)
     nodes: list = field(default_factory=list)
     inits: list = field(default_factory=list)
     _counter: int = 0
@@ -191,17 +200,18 @@ def _np_to_onnx(dtype: np.dtype) -> int:
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: Path, *,
                   dtype: np.dtype = np.float32, untie_lm_head: bool = False, attention: str = "standard",
-                  max_context: int = 2048) -> list[Path]:
+                  max_context: int = 2048, io: ModelIO = ModelIO()) -> list[Path]:
     """Write ``out_path`` (.onnx) and its external data; return the files written.
 
     ``weights`` uses the canonical names of :mod:`specedge.export.weights`
     (``embed``, ``layers.{i}.q`` with shape [in, out], ...). ``untie_lm_head``
     writes a separate [hidden, vocab] MatMul weight for tied models, so the
-    weight-only quantizer (which rewrites MatMul nodes) can reach the output layer.
+    weight-only quantizer (which rewrites MatMul nodes) can reach the output layer. ``io`` names
+    the graph's inputs and outputs: pass the ModelIO the manifest entry records.
     """
     dtype = np.dtype(dtype)
     data_path = out_path.with_name(out_path.name + ".data")
-    b = _Builder(dtype=dtype, data_path=data_path)
+    b = _Builder(dtype=dtype, data_path=data_path, io=io)
     try:
         graph = _decoder_graph(b, spec, weights, untie_lm_head, attention, max_context)
         opsets = [helper.make_opsetid("", OPSET)]
@@ -218,30 +228,31 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: P
 def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool,
                    attention: str = "standard", max_context: int = 2048) -> onnx.GraphProto:
     kv_type = _ONNX_DTYPE[b.dtype]
+    io = b.io
     inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "new_tokens"]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "new_tokens"]),
-        helper.make_tensor_value_info("num_logits_to_keep", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info(io.input_ids, TensorProto.INT64, [1, "new_tokens"]),
+        helper.make_tensor_value_info(io.positions, TensorProto.INT64, [1, "new_tokens"]),
+        helper.make_tensor_value_info(io.num_logits, TensorProto.INT64, [1]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", s.vocab_size])]
+    outputs = [helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, [1, "num_logits", s.vocab_size])]
     gqa = attention == "gqa"
     if gqa:
-        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-                   helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+        inputs += [helper.make_tensor_value_info(io.seqlens_k, TensorProto.INT32, [1]),
+                   helper.make_tensor_value_info(io.total_sequence_length, TensorProto.INT32, [])]
     for i in range(s.n_layers):
-        for kind in ("key", "value"):
+        for past, present, new in ((io.past_key, io.present_key, io.new_key),
+                                   (io.past_value, io.present_value, io.new_value)):
             if gqa:
                 shape = [1, s.n_kv_heads, "max_len", s.head_dim]
-                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, shape))
-                outputs.append(helper.make_tensor_value_info(f"present_{kind}.{i}", kv_type, shape))
+                inputs.append(helper.make_tensor_value_info(past % i, kv_type, shape))
+                outputs.append(helper.make_tensor_value_info(present % i, kv_type, shape))
             else:
-                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type,
-                                                            ["past_len", s.n_kv_heads, s.head_dim]))
-                outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type,
+                inputs.append(helper.make_tensor_value_info(past % i, kv_type, ["past_len", s.n_kv_heads, s.head_dim]))
+                outputs.append(helper.make_tensor_value_info(new % i, kv_type,
                                                              ["new_tokens", s.n_kv_heads, s.head_dim]))
 
-    ids = b.one("Reshape", ["input_ids", b.ints("shape_flat", [-1])])  # [n]
-    pos = b.one("Reshape", ["position_ids", b.ints("shape_flat2", [-1])])  # [n]
+    ids = b.one("Reshape", [io.input_ids, b.ints("shape_flat", [-1])])  # [n]
+    pos = b.one("Reshape", [io.positions, b.ints("shape_flat2", [-1])])  # [n]
     embed = b.weight("embed", w["embed"])
     x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
     if s.embed_scale != 1.0:
@@ -273,8 +284,8 @@ class _StandardAttention:
         self.b, self.s = b, s
         # Causal mask over the cache: key slot j holds position j, so query at position p
         # may attend to slots 0..p. Built once per step per window, shared by its layers.
-        n_new = b.one("Gather", [b.one("Shape", ["input_ids"]), b.ints("one_idx", [1])])  # [1]
-        self.past_len = b.one("Gather", [b.one("Shape", ["past_key.0"]), b.ints("zero_idx", [0])])  # [1]
+        n_new = b.one("Gather", [b.one("Shape", [b.io.input_ids]), b.ints("one_idx", [1])])  # [1]
+        self.past_len = b.one("Gather", [b.one("Shape", [b.io.past_key % 0]), b.ints("zero_idx", [0])])  # [1]
         total = b.one("Squeeze", [b.one("Add", [self.past_len, n_new])])
         key_pos = b.one("Range", [b.const("zero_i", np.array(0, np.int64)), total,
                                   b.const("one_i", np.array(1, np.int64))])  # [T]
@@ -320,10 +331,10 @@ class _StandardAttention:
         if rope:
             q = _rotate(b, q, *rope, rd, hd)
         # The new K/V are graph outputs by name (no Identity nodes: ORT keeps those as real copies).
-        k = _heads(b, s, w, f"layers.{i}.k_norm", k, kvh, out=None if rope else f"new_key.{i}")
+        k = _heads(b, s, w, f"layers.{i}.k_norm", k, kvh, out=None if rope else b.io.new_key % i)
         if rope:
-            k = _rotate(b, k, *rope, rd, hd, out=f"new_key.{i}")
-        v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=f"new_value.{i}")
+            k = _rotate(b, k, *rope, rd, hd, out=b.io.new_key % i)
+        v = b.one("Reshape", [v, b.ints(b.name("v_shape"), [-1, kvh, hd])], out=b.io.new_value % i)
 
         q = b.one("Mul", [q, b.scalar(b.name("attn_scale"), s.attn_scale)])  # [n, H, hd]
         scores = b.one("Concat", [self._past_scores(i, q), self._new_scores(q, k)], axis=-1)  # [n, H, T]
@@ -359,7 +370,7 @@ class _StandardAttention:
                               self.own_head])  # [n, kvh, g, kvh, hd]
             q = b.one("Reshape", [q, b.ints(b.name("q_spread"), [0, s.n_heads, kvh * hd])])  # [n, H, kvh*hd]
         # 0 copies P, also an empty prefill past, where a -1 would have to be inferred from 0 elements.
-        keys = b.one("Reshape", [f"past_key.{i}", b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
+        keys = b.one("Reshape", [b.io.past_key % i, b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
         return b.one("MatMul", [q, b.one("Transpose", [keys], perm=[1, 0])])  # [n, H, P]
 
     def _past_mix(self, i: int, probs: str) -> str:
@@ -370,7 +381,7 @@ class _StandardAttention:
         """
         b, s = self.b, self.s
         kvh, hd = s.n_kv_heads, s.head_dim
-        values = b.one("Reshape", [f"past_value.{i}", b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
+        values = b.one("Reshape", [b.io.past_value % i, b.ints(b.name("kv_rows"), [0, kvh * hd])])  # [P, kvh*hd]
         mixed = b.one("MatMul", [probs, values])  # [n, H, kvh*hd]
         if kvh == 1:
             return b.one("Reshape", [mixed, b.ints(b.name("mix"), [0, 1, s.n_heads, hd])])  # [n, 1, g, hd]
@@ -461,11 +472,11 @@ class _GqaAttention:
             rope_inputs = list(self.fused[table])
             attrs.update(do_rotary=1, rotary_interleaved=0)
         attn = b.node("GroupQueryAttention",
-                      [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length",
+                      [q, k, v, b.io.past_key % i, b.io.past_value % i, b.io.seqlens_k, b.io.total_sequence_length,
                        *rope_inputs],
                       n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale, **attrs)[0]
         # GQA's 2nd/3rd outputs are the shared cache buffers; name them as graph outputs.
-        b.nodes[-1].output.extend([f"present_key.{i}", f"present_value.{i}"])
+        b.nodes[-1].output.extend([b.io.present_key % i, b.io.present_value % i])
         return b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
 
 
@@ -518,7 +529,7 @@ def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head
     """Final norm, keep the last num_logits positions, output layer, logit scaling and soft-capping."""
     x, embed = hidden_and_embed
     x = _norm(b, s, w, x, "norm")
-    keep = b.one("Neg", ["num_logits_to_keep"])
+    keep = b.one("Neg", [b.io.num_logits])
     x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]), b.ints("ax0s", [0])])  # [m, hidden]
     if s.tied_embeddings and not untie_lm_head:
         # Gemm with transB reads the [vocab, hidden] embedding directly: the bundle holds it once.
@@ -532,7 +543,7 @@ def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head
         logits = b.one("Mul", [logits, b.const("logit_scale", np.array(s.logit_scale, np.float32))])
     if s.final_softcap:
         logits = _softcap(b, logits, s.final_softcap)
-    b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], ["logits"], name="logits_out"))
+    b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], [b.io.logits], name="logits_out"))
     return helper.make_graph(b.nodes, "specedge_decoder", inputs, outputs, b.inits)
 
 

@@ -19,7 +19,7 @@ Two routes build an engine (``build_engines_for_bundle``, called by
 The functions that compute shapes, option strings, keys and paths are pure and
 tested on CPU. The builders need a GPU and are not verified on hardware here.
 What a bundle records about each engine is an :class:`EngineRecord` under
-manifest ``extra["engines"][role]`` (defined in engines/tensorrt.py, which
+manifest ``extra["engines"][role]`` (defined in bundle_extra.py, which
 reads it at load time, and re-exported here).
 """
 
@@ -35,20 +35,24 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from ..engines.tensorrt import (ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange, check_engine_compatible,
-                                check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
+from ..bundle_extra import ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange
+from ..engines.tensorrt import (check_engine_compatible, check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
                                 major_minor_patch, runtime_facts, tensorrt_graph_problem, tensorrt_version)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from .trt_graph import logits_rows_from_shape, trt_graph_path
-from ..manifest import Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file, write_manifest
+from ..manifest import (FileRecord, Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file,
+                        write_manifest)
 
 # Longer prompts are prefilled in chunks of this many tokens, which is exact (the graph takes any
 # past length). A larger limit buys little prefill speed and costs activation memory and build time.
 DEFAULT_MAX_PROMPT = 512
 ENGINES = ("onnxruntime", "tensorrt")  # choices for `specedge export --engine`
+# What `specedge export --engine tensorrt` builds: TensorRT int8 needs Q/DQ nodes or a calibration
+# table, and specedge graphs carry neither (their int8/int4 is weight-only MatMulNBits).
+BUILD_PRECISIONS = ("fp32", "fp16")
 _GRAPH_PRECISION = {"float32": "fp32", "float16": "fp16"}
 
-__all__ = ["DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Profile", "ShapeRange",
+__all__ = ["BUILD_PRECISIONS", "DEFAULT_MAX_PROMPT", "ENGINES", "EnginePaths", "EngineRecord", "Profile", "ShapeRange",
            "build_engines_for_bundle", "build_trt_engine", "check_engine_compatible", "check_tensorrt_export",
            "engine_cache_key", "engine_paths", "merge_profiles", "ort_trt_provider_options", "profile_shape_strings",
            "verify_profiles"]
@@ -168,7 +172,7 @@ def ort_trt_provider_options(profiles: tuple[Profile, ...] | list[Profile], *, c
 def engine_cache_key(graph_sha256: str, profiles: tuple[Profile, ...] | list[Profile], precision: str,
                      tensorrt_version: str, compute_capability: str, route: str = "native") -> str:
     """16 hex digits naming one build: the same graph, shapes, precision, TensorRT and GPU give the same key."""
-    facts = {"graph": graph_sha256, "profiles": [p.to_json() for p in profiles], "precision": precision,
+    facts = {"graph": graph_sha256, "profiles": [p.to_dict() for p in profiles], "precision": precision,
              "tensorrt": major_minor_patch(tensorrt_version), "compute_capability": compute_capability, "route": route}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -285,7 +289,7 @@ def _build_ort_trt(bundle: Path, entry: ModelEntry, graph: str, profiles: tuple[
                         engine_file=str(PurePosixPath(paths.ort_cache_dir) / built[0].name), graph=graph)
 
 
-def _drop_stale(bundle: Path, files: dict, old: EngineRecord | None, new: EngineRecord) -> None:
+def _drop_stale(bundle: Path, files: dict[str, FileRecord], old: EngineRecord | None, new: EngineRecord) -> None:
     """Remove the files of the engine a rebuild replaces, and their manifest entries."""
     if old is None or old.cache_key == new.cache_key:
         return
@@ -331,8 +335,9 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
     bundle = Path(bundle_path)
     if route not in ROUTES:
         raise InvalidParameterError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
-    if precision not in ("fp32", "fp16"):
-        raise InvalidParameterError(f"engine precision must be fp32 or fp16; got {precision!r} (TensorRT int8 "
+    if precision not in BUILD_PRECISIONS:
+        raise InvalidParameterError(f"engine precision must be {' or '.join(BUILD_PRECISIONS)}; got {precision!r} "
+                                    "(TensorRT int8 "
                                     "needs Q/DQ nodes or a calibration table, and specedge graphs carry neither: "
                                     "their int8/int4 is weight-only MatMulNBits)")
     manifest = load_manifest(bundle)  # with checksums: an engine built from a corrupt graph would be trusted later
@@ -353,11 +358,11 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
 
     spec = manifest.speculation
     files = dict(manifest.files)
-    engines = dict(manifest.extra.get("engines") or {})
+    engines = dict(manifest.extra.engines)
     for role, entry in manifest.models().items():
         limit = max_prompt or min(entry.max_context - 1, DEFAULT_MAX_PROMPT)
         profiles = verify_profiles(entry, spec.max_draft_tokens, limit, draft_tokens=spec.draft_tokens)
-        key = engine_cache_key(files[entry.graph]["sha256"], profiles, precision, facts.tensorrt_version or "",
+        key = engine_cache_key(files[entry.graph].sha256, profiles, precision, facts.tensorrt_version or "",
                                facts.compute_capability, route)
         paths = engine_paths(entry.graph, key)
         if not quiet:
@@ -377,16 +382,15 @@ def build_engines_for_bundle(bundle_path: str | os.PathLike[str], precision: str
             record = EngineRecord(route="native", tensorrt_version=facts.tensorrt_version or "",
                                   gpu_name=facts.gpu_name, compute_capability=facts.compute_capability,
                                   precision=precision, profiles=profiles, file=paths.plan,
-                                  sha256=files[paths.plan]["sha256"], cache_key=key)
+                                  sha256=files[paths.plan].sha256, cache_key=key)
         else:
             files[rewritten_rel] = file_record(rewritten)  # the EP session loads it: checksummed with the rest
             record = _build_ort_trt(bundle, entry, rewritten_rel, profiles, precision, key, paths, facts,
                                     device_id, workspace_bytes)
-        old = engines.get(role)
-        _drop_stale(bundle, files, EngineRecord.from_json(old, f"extra.engines.{role}") if old else None, record)
-        engines[role] = record.to_json()
+        _drop_stale(bundle, files, engines.get(role), record)
+        engines[role] = record
 
-    updated = replace(manifest, files=files, extra={**manifest.extra, "engines": engines})
+    updated = replace(manifest, files=files, extra=replace(manifest.extra, engines=engines))
     scratch = bundle / f".manifest-{os.getpid()}"  # write beside, then rename: a crash never leaves half a manifest
     scratch.mkdir(exist_ok=True)
     try:

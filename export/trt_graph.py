@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ExportError
+from ..manifest import ModelIO
 
 COUNT_SUFFIX = "__count"  # the internal [1] tensor the rewrite feeds to the original consumers
 
@@ -34,7 +35,7 @@ def trt_graph_path(graph: Path) -> Path:
     return graph.with_name(graph.stem + ".trt" + graph.suffix)
 
 
-def logits_rows_from_shape(graph: Path, out: Path, input_name: str = "num_logits_to_keep") -> Path:
+def logits_rows_from_shape(graph: Path, out: Path, input_name: str = ModelIO.num_logits) -> Path:
     """Write ``graph`` with ``input_name`` taking its row count from its length; return ``out``.
 
     ``out`` must be in ``graph``'s folder (the external data file is shared, not copied).

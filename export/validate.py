@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..bundle_extra import ComparisonRecord, ExactSteps, ValidationRecord
 from ..engines.base import EngineOptions
 from ..engines.ort import OrtEngine
 from ..errors import ExportValidationError
@@ -28,16 +29,6 @@ from ..manifest import ModelEntry
 # (a wrong rotary or mask moves logits by O(1)).
 FP32_RELATIVE_TOLERANCE = 1e-3
 FP16_RELATIVE_TOLERANCE = 3e-2
-
-
-@dataclass
-class ValidationReport:
-    max_abs_diff: dict[str, float]
-    tolerance: float
-    top1_agreement: float  # fraction of compared positions whose argmax equals PyTorch's
-
-    def as_dict(self) -> dict:
-        return {"max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance, "top1_agreement": self.top1_agreement}
 
 
 # Prefill chunk size when filling the cache up to an edge: bounds the attention scores a
@@ -140,7 +131,7 @@ def _ort_logits(engine: OrtEngine, ids: np.ndarray, plan: list[Segment]) -> list
 def validate_graph(model: Any, entry: ModelEntry, graph: Path, *, relative_tolerance: float,
                    edges: tuple[int, ...] = (), prefill: int = 7, verify: int = 5, seed: int = 0,
                    strict: bool = True, head_ids: np.ndarray | None = None,
-                   layers: int | None = None) -> ValidationReport:
+                   layers: int | None = None) -> ValidationRecord:
     """Raise ExportValidationError naming the segment if ORT and PyTorch disagree.
 
     ``edges``: positions the run must straddle (export/features.validation_edges).
@@ -172,11 +163,11 @@ def validate_graph(model: Any, entry: ModelEntry, graph: Path, *, relative_toler
                 f"logits of the {seg.name} ({seg.length} tokens at positions {seg.start}..{seg.end - 1}) differ "
                 f"from PyTorch by {diff:.3g}, above the tolerance {tolerance:.3g} ({relative_tolerance:g} x logit "
                 f"scale {scale:.3g}) for {entry.graph}")
-    return ValidationReport(diffs, tolerance, agree / total)
+    return ValidationRecord(diffs, tolerance, agree / total)
 
 
 def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, graph_b: Path, *,
-                   n_tokens: int = 64, seed: int = 0) -> dict:
+                   n_tokens: int = 64, seed: int = 0) -> ComparisonRecord:
     """Teacher-forced agreement of two graphs (e.g. int4 vs fp32) on a random sequence."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, entry_a.vocab_size, size=n_tokens).astype(np.int64)
@@ -187,8 +178,8 @@ def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, grap
     a, b = logits
     if not np.isfinite(b).all():
         raise ExportValidationError(f"{graph_b.name} produced non-finite logits")
-    return {"top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
-            "max_abs_diff": float(np.abs(a - b).max())}
+    return ComparisonRecord(top1_agreement=float((a.argmax(-1) == b.argmax(-1)).mean()),
+                            max_abs_diff=float(np.abs(a - b).max()))
 
 
 def batch_variance(entry: ModelEntry, graph: Path, *, verify: int = 5, prefix: int = 16, trials: int = 3,
@@ -214,11 +205,11 @@ def batch_variance(entry: ModelEntry, graph: Path, *, verify: int = 5, prefix: i
 
 
 def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int = 5, reps: int = 9,
-                seed: int = 2) -> dict:
+                seed: int = 2) -> ExactSteps:
     """Check, on this machine, that batch-invariant steps (engines/invariant.py) make a plain step
     bit-identical to a verify row, and measure what they cost.
 
-    Returns ``{"bit_identical": bool, "two_row_step_cost": float, "one_row_step_ms": float}``:
+    Returns an :class:`ExactSteps` (bit_identical, two_row_step_cost, one_row_step_ms):
     ``bit_identical`` compares the logits and K/V of ``verify`` 1-token steps with one
     ``verify``-token forward; ``two_row_step_cost`` is the median over ``reps`` paired timings
     of a 2-row step over a bare 1-row step (what exact plain decoding pays per token).
@@ -252,5 +243,5 @@ def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int
         kv.rewind(1)
         one.append(t1 - t0)
         ratios.append((t2 - t1) / (t1 - t0))
-    return {"bit_identical": same, "two_row_step_cost": round(float(np.median(ratios)), 3),
-            "one_row_step_ms": round(float(np.median(one)) * 1e3, 3)}
+    return ExactSteps(bit_identical=same, two_row_step_cost=round(float(np.median(ratios)), 3),
+                      one_row_step_ms=round(float(np.median(one)) * 1e3, 3))

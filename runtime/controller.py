@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import InvalidParameterError
-from .costs import CostModel, StepOutcome, expected_tokens
+from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class AdaptiveK:
     (E = 1, T = t_target(1)), so when speculation does not pay it switches off. A k > 0
     must beat the plain rate by ``SPECULATION_MARGIN`` (the model's measured optimism).
 
-    Update rule: exponential moving averages with weight ``beta`` (0.2: a change in
-    acceptance is followed within ~5 steps, yet one unlucky block does not switch
-    speculation off). Acceptance at position i is observed only where the step
+    Update rule: exponential moving averages (:func:`~specedge.runtime.costs.ema`) with weight
+    ``beta`` (:data:`~specedge.runtime.costs.EMA_WEIGHT`: a change in acceptance is followed
+    within ~5 steps, yet one unlucky block does not switch speculation off). Acceptance at position i is observed only where the step
     reached it (all earlier tokens accepted). The step costs are the CostModel's
     (``costs``), which the loop feeds; this class only reads them.
 
@@ -103,7 +103,7 @@ class AdaptiveK:
     # so a predicted 1.05x was a measured loss. Below this margin, plain steps are the safe bet.
     SPECULATION_MARGIN = 1.1
 
-    def __init__(self, max_k: int, *, beta: float = 0.2, probe_every: int = 16,
+    def __init__(self, max_k: int, *, beta: float = EMA_WEIGHT, probe_every: int = 16,
                  costs: CostModel | None = None, start_k: int | None = None,
                  acceptance: list[float] | None = None, observed: int = 0) -> None:
         """``acceptance``/``observed``: per-position estimates to start from (the previous
@@ -193,7 +193,7 @@ class AdaptiveK:
                 if i >= self.observed > 0:
                     self.alpha[i] = self.alpha[self.observed - 1]  # start from what it borrowed
                 outcome = 1.0 if i < step.accepted else 0.0
-                self.alpha[i] = (1 - b) * self.alpha[i] + b * outcome
+                self.alpha[i] = ema(self.alpha[i], outcome, b)
             self.observed = max(self.observed, reached)
         self.mode_s["speculative" if step.drafted else "plain"] += step.draft_s + step.verify_s
 

@@ -21,7 +21,20 @@ from typing import Sequence
 
 import numpy as np
 
+from ..bundle_extra import CostProfile, MachineFingerprint
 from .model_drafter import DEFAULT_DRAFT_WINDOW
+
+# Weight of the newest observation in every moving average the runtime keeps (step costs here,
+# acceptance in the k controller, mode rates in the loop): 0.2 follows a change of machine load
+# or of the text within ~5 steps, yet one slow step or one unlucky block does not swing k.
+EMA_WEIGHT = 0.2
+
+
+def ema(old: float | None, new: float, weight: float = EMA_WEIGHT) -> float:
+    """Exponential moving average: ``new`` when there is no ``old`` yet, else
+    ``(1 - weight) * old + weight * new``."""
+    return new if old is None else (1 - weight) * old + weight * new
+
 
 # 10 timed repeats after 2 warm-up runs: medians over 10 settle within a few % on a noisy
 # 2-core box, and the whole profile stays under ~30 s for a 1.5B int4 target.
@@ -58,8 +71,7 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 class CostModel:
     """Step costs in seconds, learned by exponential moving averages.
 
-    Update rule: weight ``beta`` (0.2: a change of machine load is followed within ~5
-    steps, yet one slow step does not swing k). Costs are averaged per verify length;
+    Update rule: :func:`ema` with weight ``beta`` (:data:`EMA_WEIGHT`). Costs are averaged per verify length;
     unmeasured lengths are interpolated from measured ones, or start from an optimistic
     prior so that they get tried and measured.
     """
@@ -67,7 +79,7 @@ class CostModel:
     target_s: dict[int, float] = field(default_factory=dict)  # verify length n (= k+1) -> seconds
     draft_token_s: float | None = None
     draft_catchup_token_s: float | None = None  # per token of a catch-up feed (the draft's prefill)
-    beta: float = 0.2
+    beta: float = EMA_WEIGHT
 
     # An untried verify length is assumed to cost 1 + 0.15 per extra token of a 1-token step:
     # optimistic for memory-bound decoding, so it is tried once and then measured.
@@ -79,16 +91,11 @@ class CostModel:
     USUAL_FEED = 2  # a normal step feeds the target's correction/bonus token (+ the last draft token)
 
     # --- persistence -------------------------------------------------------------
-    def as_dict(self) -> dict:
-        return {"target_s": {str(n): t for n, t in sorted(self.target_s.items())},
-                "draft_token_s": self.draft_token_s, "draft_catchup_token_s": self.draft_catchup_token_s}
-
     @classmethod
-    def from_dict(cls, obj: dict, *, uses_draft_model: bool = True) -> "CostModel":
+    def from_profile(cls, profile: CostProfile, *, uses_draft_model: bool = True) -> "CostModel":
         """From a recorded profile (``specedge tune``). ``uses_draft_model=False``: a drafter that
         runs no model (prompt lookup) costs microseconds per token and never catches up."""
-        model = cls({int(n): float(t) for n, t in obj.get("target_s", {}).items()}, obj.get("draft_token_s"),
-                    obj.get("draft_catchup_token_s"))
+        model = cls(dict(profile.target_s), profile.draft_token_s, profile.draft_catchup_token_s)
         if not uses_draft_model:
             model.draft_token_s = model.draft_catchup_token_s = 0.0
         return model
@@ -148,7 +155,7 @@ class CostModel:
 
     # --- learning ----------------------------------------------------------------
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.beta) * old + self.beta * new
+        return ema(old, new, self.beta)
 
     def observe(self, step: StepOutcome) -> None:
         """Learn from one step: the verify's cost at its length, the draft's per-token cost,
@@ -179,14 +186,12 @@ def median_forward(engine, kv, ids: np.ndarray, *, repeats: int = REPEATS, warmu
     return float(np.median([time_forward(engine, kv, ids) for _ in range(repeats)]))
 
 
-def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, threads: int = 0) -> dict:
+def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, threads: int = 0) -> CostProfile:
     """Time target steps of 1..max_verify tokens, a 1-token draft step and a draft catch-up of
-    one draft window, on a cache of ``context`` positions. Returns the JSON-ready profile
-    (seconds) that :meth:`CostModel.from_dict` reads."""
-    from .profile import machine_fingerprint
-
+    one draft window, on a cache of ``context`` positions. Returns the profile (seconds) that
+    :meth:`CostModel.from_profile` reads."""
     rng = np.random.default_rng(0)
-    out: dict = {"machine": machine_fingerprint(threads), "context": context, "target_s": {}}
+    out: dict = {"target_s": {}}
     for name, engine in (("target", target), ("draft", draft)):
         if engine is None:
             continue
@@ -196,7 +201,7 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
         engine.forward(ids[:ctx], kv, num_logits=1)
         if name == "target":
             for n in range(1, max_verify + 1):
-                out["target_s"][str(n)] = median_forward(engine, kv, ids[ctx:ctx + n])
+                out["target_s"][n] = median_forward(engine, kv, ids[ctx:ctx + n])
         else:
             out["draft_token_s"] = median_forward(engine, kv, ids[ctx:ctx + 1])
             # A catch-up feed (the draft's deferred prefill, bounded by the draft window) costs
@@ -204,4 +209,4 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
             # expected reply length before the first speculative step.
             n = max(min(DEFAULT_DRAFT_WINDOW, kv.capacity - ctx - 1), 1)
             out["draft_catchup_token_s"] = median_forward(engine, kv, ids[ctx:ctx + n]) / n
-    return out
+    return CostProfile(machine=MachineFingerprint.here(threads), context=context, **out)

@@ -14,7 +14,6 @@ drafter is first built.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
 
 from .drafting import DraftModel, Drafter, DrafterSpec
 

@@ -28,12 +28,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..bundle_extra import CostProfile
 from ..engines import EngineOptions
 from ..engines.invariant import BatchInvariantEngine
 from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
 from . import loop
-from . import profile as cost_profile
+from .profile import save as save_profile
 from .controller import AdaptiveK, Controller, FixedK
 from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies
 from .loading import LoadedBundle, load_bundle
@@ -113,9 +114,7 @@ class Generator:
         self.draft_head_ids = loaded.draft_head_ids
         self.max_context = self.manifest.target.max_context
         self.eos_token_ids = self.manifest.target.eos_token_ids
-        variance = self.manifest.extra.get("batch_variance", {}).get("target")
-        self.near_tie_gap = near_tie_gap(self.manifest.target.precision,
-                                         variance if isinstance(variance, (int, float)) else None)
+        self.near_tie_gap = near_tie_gap(self.manifest.target.precision, self.manifest.extra.target_batch_variance())
         self.memory = SpeculationMemory(loaded.cost_profile)
         self._lock = threading.Lock()
         self._owner: int | None = None  # id of the thread whose generation holds _lock
@@ -152,7 +151,7 @@ class Generator:
                                engine_options=engine_options), cache_slots=cache_slots, cache_memory=cache_memory)
 
     @property
-    def cost_profile(self) -> dict | None:
+    def cost_profile(self) -> CostProfile | None:
         """The measured step costs for this machine, if any (``tune()`` measures them)."""
         return self.memory.profile
 
@@ -251,7 +250,7 @@ class Generator:
         with self._exclusive():
             self.memory.forget_replies()
 
-    def tune(self, *, save: bool = False, context: int = 128) -> dict:
+    def tune(self, *, save: bool = False, context: int = 128) -> CostProfile:
         """Measure this machine's step costs (target 1..max_draft_tokens+1, draft 1) and use them.
 
         ``save=True`` records them in the bundle's manifest for later runs on this machine.
@@ -259,12 +258,12 @@ class Generator:
         with self._exclusive():
             return self._tune(save, context)
 
-    def _tune(self, save: bool, context: int) -> dict:
+    def _tune(self, save: bool, context: int) -> CostProfile:
         profile = step_costs.measure(self.target, self.draft, threads=self.threads, context=context,
                                      max_verify=self.manifest.speculation.max_draft_tokens + 1)
         self.memory.use_profile(profile)
         if save:
-            cost_profile.save(self.bundle, profile)
+            save_profile(self.bundle, profile)
         return profile
 
     def warmup(self, *, tune: bool = True) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from ..engines import EngineOptions, backend_for, create_engine
 from ..errors import BundleError, InvalidParameterError
 from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
-from . import profile as cost_profile
+from ..bundle_extra import CostProfile
 from .text import TextCodec
 
 
@@ -27,7 +27,7 @@ class LoadedBundle:
     draft: object | None  # Engine; None when the bundle has none or load_draft=False
     draft_head_ids: np.ndarray | None  # int32 [head_size]: a vocabulary-truncated draft head's ids
     threads: int  # intra-op threads the sessions were created with (0 = ORT default)
-    cost_profile: dict | None  # the manifest's measured step costs, when taken on this machine and setting
+    cost_profile: CostProfile | None  # the manifest's measured step costs, when taken on this machine and setting
 
 
 def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, draft_threads: int | None = None,
@@ -70,8 +70,7 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
         draft = create_engine(manifest.draft, draft_graph, draft_options,
                               backend_for(manifest.draft, draft_graph, options.provider))
     head_ids = load_head_tokens(bundle, manifest.draft) if draft is not None else None
-    recorded = manifest.extra.get(cost_profile.PROFILE_KEY)
+    recorded = manifest.extra.cost_profile
     # A profile taken on another machine or thread setting is dropped: warmup() re-measures.
-    usable = recorded if isinstance(recorded, dict) and cost_profile.usable(recorded, options.intra_op_threads) \
-        else None
+    usable = recorded if recorded is not None and recorded.usable(options.intra_op_threads) else None
     return LoadedBundle(bundle, manifest, codec, target, draft, head_ids, options.intra_op_threads, usable)

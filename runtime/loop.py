@@ -35,7 +35,7 @@ import numpy as np
 
 from ..engines.base import Engine, KVCache
 from .controller import Controller
-from .costs import CostModel, StepOutcome
+from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema
 from .drafting import Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -54,12 +54,12 @@ class LoopResult:
 class ModeSelector:
     """Chooses sequential or pipelined steps from measured committed tokens per second.
 
-    Keeps an exponential moving average (weight 0.2, as the k controller) of each mode's
+    Keeps an exponential moving average (:func:`~.costs.ema`, as the k controller) of each mode's
     rate and uses the faster one; every ``probe_every`` steps it runs the other mode once
     so a change in conditions (acceptance, machine load) is noticed.
     """
 
-    def __init__(self, probe_every: int = 12, beta: float = 0.2) -> None:
+    def __init__(self, probe_every: int = 12, beta: float = EMA_WEIGHT) -> None:
         self.rate: dict[str, float | None] = {"sequential": None, "pipelined": None}
         self.probe_every = probe_every
         self.beta = beta
@@ -78,9 +78,7 @@ class ModeSelector:
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        rate = tokens / seconds
-        old = self.rate[mode]
-        self.rate[mode] = rate if old is None else (1 - self.beta) * old + self.beta * rate
+        self.rate[mode] = ema(self.rate[mode], tokens / seconds, self.beta)
 
 
 class _Run:

@@ -14,6 +14,7 @@ changes its tokens (every proposal is verified by the target).
 
 from __future__ import annotations
 
+from ..bundle_extra import CostProfile
 from .controller import ControllerSnapshot
 from .costs import CostModel
 from .drafters import needs_draft_model
@@ -25,7 +26,7 @@ from .suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
 class SpeculationMemory:
     """Learned state, keyed by drafter name; not thread-safe (the Generator's lock guards it)."""
 
-    def __init__(self, profile: dict | None = None) -> None:
+    def __init__(self, profile: CostProfile | None = None) -> None:
         self.profile = profile  # the measured cost profile new CostModels start from (None: from scratch)
         self.costs: dict[str, CostModel] = {}
         self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
@@ -37,8 +38,8 @@ class SpeculationMemory:
         costs = self.costs.get(drafter)
         if costs is None:
             costs = self.costs[drafter] = (
-                CostModel.from_dict(self.profile, uses_draft_model=needs_draft_model(drafter))
-                if self.profile else CostModel())
+                CostModel.from_profile(self.profile, uses_draft_model=needs_draft_model(drafter))
+                if self.profile is not None else CostModel())
         return costs
 
     def acceptance_for(self, drafter: str) -> tuple[list[float] | None, int]:
@@ -65,7 +66,7 @@ class SpeculationMemory:
         self.reply_lengths = ReplyLengths()
         self.replies.clear()
 
-    def use_profile(self, profile: dict | None) -> None:
+    def use_profile(self, profile: CostProfile | None) -> None:
         """A new measured profile: learned step costs restart from it."""
         self.profile = profile
         self.costs.clear()

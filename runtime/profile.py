@@ -1,6 +1,7 @@
 """Step-cost profiles on disk: which machine a profile belongs to, and where it is kept.
 
-The measurement itself is :func:`specedge.runtime.costs.measure`.
+The measurement itself is :func:`specedge.runtime.costs.measure`; the profile's schema (and its one
+parser) is :class:`specedge.bundle_extra.CostProfile`, stored under manifest ``extra["cost_profile"]``.
 
 ``specedge export --tune`` (or ``specedge tune BUNDLE``) measures them on the
 machine that will run the bundle and records them in the manifest, so the
@@ -13,54 +14,31 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+from dataclasses import replace
 from pathlib import Path
 
-from ..manifest import COST_PROFILE_KEY, MANIFEST_FILE
-
-PROFILE_KEY = COST_PROFILE_KEY  # defined once, with the manifest schema that validates it
-
-
-def machine_fingerprint(threads: int) -> dict:
-    """What makes step timings transferable: the CPU model, its core count, the thread setting."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 0, "threads": threads}
+from ..bundle_extra import CostProfile
+from ..manifest import MANIFEST_FILE, parse_manifest
 
 
-def usable(profile: dict | None, threads: int) -> bool:
-    """A profile applies when it was measured on this CPU with the same thread setting."""
-    return bool(profile) and profile.get("machine") == machine_fingerprint(threads)
-
-
-def save(bundle: Path, profile: dict) -> None:
+def save(bundle: Path, profile: CostProfile) -> None:
     """Record the profile in manifest.json (atomically: write a sibling, then rename).
 
     manifest.json carries no checksum of its own, so adding a field keeps the bundle valid.
     """
     path = Path(bundle) / MANIFEST_FILE
-    obj = json.loads(path.read_text(encoding="utf-8"))
-    obj.setdefault("extra", {})[PROFILE_KEY] = profile
+    manifest = parse_manifest(json.loads(path.read_text(encoding="utf-8")))
+    updated = replace(manifest, extra=replace(manifest.extra, cost_profile=profile))
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(updated.to_json(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
-def summary(profile: dict) -> dict:
+def summary(profile: CostProfile) -> dict:
     """c and v(n) ratios, the numbers Leviathan's formula needs."""
-    t = {int(n): s for n, s in profile.get("target_s", {}).items()}
-    step = t.get(1)
-    if not step:
-        return {}
-    out = {"target_step_ms": step * 1e3, "v": {n: s / step for n, s in sorted(t.items())}}
-    if profile.get("draft_token_s"):
-        out["draft_step_ms"] = profile["draft_token_s"] * 1e3
-        out["c"] = profile["draft_token_s"] / step
+    step = profile.target_s[1]  # every profile has the plain step (CostProfile.from_dict checks it)
+    out = {"target_step_ms": step * 1e3, "v": {n: s / step for n, s in sorted(profile.target_s.items())}}
+    if profile.draft_token_s:
+        out["draft_step_ms"] = profile.draft_token_s * 1e3
+        out["c"] = profile.draft_token_s / step
     return out

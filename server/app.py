@@ -43,13 +43,12 @@ from starlette.routing import Route
 from ..errors import SpecedgeError
 from ..runtime.generator import Generator
 from . import protocol
+from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
 from .protocol import APIError, ParsedRequest
 from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("specedge.server")
 
-DEFAULT_QUEUE_SIZE = 16  # waiting requests; on one device a deeper queue is only a longer wait
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more is a mistake or an attack
 RETRY_AFTER_S = 1  # what a 429 suggests; one short generation usually frees a slot
 # A body must arrive within this. A client that declares more bytes than it sends (or drips
 # them) would otherwise hold a connection and a handler forever; 30 s covers 1 MiB at 35 KB/s.
@@ -58,7 +57,6 @@ BODY_TIMEOUT_S = 30.0
 # threads buy no throughput; two keep one slow template (bounded by its own time budget)
 # from delaying every other request's parse.
 PARSE_THREADS = 2
-DEFAULT_SHUTDOWN_GRACE_S = 5.0  # how long a running reply may go on after SIGTERM before it is cut
 
 
 def _error_response(err: APIError) -> JSONResponse:

@@ -26,7 +26,7 @@ import asyncio
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .app import DEFAULT_SHUTDOWN_GRACE_S
+from .limits import DEFAULT_SHUTDOWN_GRACE_S
 
 # A request head (request line + headers) is a few hundred bytes from any real client;
 # 10 s is generous on a slow link and short enough that idle half-open connections do not pile up.

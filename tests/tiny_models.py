@@ -19,6 +19,7 @@ only need the constants (and the no-torch subprocess test) stay light.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -243,3 +244,29 @@ def write_gguf(folder: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def model_json(**changes) -> dict:
+    """A target model entry as a manifest records it (2 layers, vocab 64), with ``changes``."""
+    model = {"graph": "target/model.onnx", "architecture": "llama", "source": "tiny", "precision": "fp32",
+             "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 64,
+             "max_context": 128, "eos_token_ids": [2], "kv_dtype": "float32",
+             "data_files": ["target/model.onnx.data"], "tokenizer_sha256": "", "attention": "standard",
+             "io": {}}
+    return {**model, **changes}
+
+
+def manifest_json(*, version: int | None = None, extra: dict | None = None, **model_changes) -> dict:
+    """A decoded manifest.json of a target-only bundle (files of empty content), for parser tests;
+    ``version`` defaults to the current FORMAT_VERSION."""
+    from specedge.manifest import FORMAT_VERSION
+
+    version = FORMAT_VERSION if version is None else version
+    digest = {"sha256": hashlib.sha256(b"").hexdigest(), "size": 0}
+    return {"format": "specedge-bundle", "format_version": version, "created_by": "specedge 0.1.0",
+            "models": {"target": model_json(**model_changes)},
+            "tokenizer": {"file": "tokenizer.json", "config": None, "chat_template": None, "sha256": "",
+                          "bos_token": None, "eos_token": None, "add_bos_token": False},
+            "speculation": {"drafter": "ngram", "draft_tokens": 4, "max_draft_tokens": 8, "adaptive": True},
+            "files": {name: digest for name in ("tokenizer.json", "target/model.onnx", "target/model.onnx.data")},
+            "extra": {} if extra is None else extra}

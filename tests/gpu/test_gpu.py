@@ -218,7 +218,7 @@ def test_the_engine_record_describes_this_gpu(gpu_bundle):
     manifest = load_manifest(bundle)  # checksums still hold after the build rewrote the manifest
     facts = runtime_facts()
     for role in manifest.models():
-        record = EngineRecord.from_json(manifest.extra["engines"][role])
+        record = manifest.extra.engines[role]
         assert (record.route, record.gpu_name, record.compute_capability) == (route, facts.gpu_name,
                                                                               facts.compute_capability)
         assert (bundle / record.file).exists()

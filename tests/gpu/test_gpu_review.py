@@ -333,7 +333,7 @@ def test_tensorrt_11_builds_a_graph_at_its_own_precision(standard_pair, monkeypa
     _trt11(monkeypatch)
     bundle = shutil.copytree(standard_pair, tmp_path / "bundle")
     manifest = build_engines_for_bundle(bundle, precision="fp32", route="native", max_prompt=16, quiet=True)
-    record = EngineRecord.from_json(manifest.extra["engines"]["target"])
+    record = manifest.extra.engines["target"]
     plan = json.loads((bundle / record.file).read_text())
     assert plan["strongly_typed"] is False  # create_network(0): strongly typed is the only mode on 11
     assert not {"FP16", "INT8"} & set(plan["flags"])
@@ -521,7 +521,7 @@ def test_an_ort_trt_engine_from_another_onnxruntime_release_is_refused():
 def _ort_trt_bundle(root: Path, engine_file: str, files: dict[str, bytes]) -> Path:
     record = _record(route="ort-trt", file="target/trt-ort", cache_key="abc", engine_file=engine_file,
                      sha256=__import__("hashlib").sha256(b"the engine").hexdigest())
-    bundle = _fake_bundle(root, engines={"target": record.to_json()})
+    bundle = _fake_bundle(root, engines={"target": record.to_dict()})
     (bundle / "target" / "trt-ort").mkdir()
     for name, data in files.items():
         (bundle / "target" / "trt-ort" / name).write_bytes(data)
@@ -538,7 +538,7 @@ def test_the_ep_engine_file_is_always_checked(tmp_path, engine_file, files, erro
     from specedge.engines.ort_cuda import check_ort_trt_engine_file
 
     bundle = _ort_trt_bundle(tmp_path / "b", engine_file, files)
-    record = EngineRecord.from_json(load_manifest(bundle).extra["engines"]["target"])
+    record = load_manifest(bundle).extra.engines["target"]
     with pytest.raises(error, match=message):
         check_ort_trt_engine_file(bundle, record, "target")
 
@@ -548,7 +548,7 @@ def test_the_recorded_ep_engine_file_passes_beside_others(tmp_path):
 
     bundle = _ort_trt_bundle(tmp_path / "b", "target/trt-ort/abc_1.engine",
                              {"abc_1.engine": b"the engine", "abc_1.profile": b"x", "abc_9.engine": b"other"})
-    check_ort_trt_engine_file(bundle, EngineRecord.from_json(load_manifest(bundle).extra["engines"]["target"]),
+    check_ort_trt_engine_file(bundle, load_manifest(bundle).extra.engines["target"],
                               "target")
 
 
@@ -660,7 +660,7 @@ def test_the_ort_trt_build_records_the_rewritten_graph_and_its_checksum(standard
     monkeypatch.setattr(ort_cuda, "OrtCudaEngine", CpuStandIn)
     manifest = export_trt.build_engines_for_bundle(bundle, precision="fp32", route="ort-trt", max_prompt=16,
                                                    quiet=True)
-    record = EngineRecord.from_json(manifest.extra["engines"]["target"])
+    record = manifest.extra.engines["target"]
     assert record.graph == "target/model.trt.onnx" and record.graph in load_manifest(bundle).files
     assert record.engine_file == f"target/trt-ort/{record.cache_key}_x_sm90.engine"
     assert runs[0][0].name == "model.trt.onnx" and runs[0][2]["logits_rows_from_shape"] is True

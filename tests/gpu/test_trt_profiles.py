@@ -218,7 +218,7 @@ def test_engine_files_live_next_to_their_graph():
 
 def test_engine_record_survives_the_manifest_round_trip():
     record = _record(route="ort-trt", provider_options={"trt_fp16_enable": "True"}, onnxruntime_version="1.22.0")
-    assert EngineRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert EngineRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
 
 
 @pytest.mark.parametrize("edit, error, message", [
@@ -230,10 +230,10 @@ def test_engine_record_survives_the_manifest_round_trip():
     (lambda o: o.update(provider_options={"trt_fp16_enable": True}), ManifestError, "must map names to strings"),
 ])
 def test_a_bad_engine_record_is_refused_naming_the_field(edit, error, message):
-    obj = _record().to_json()
+    obj = _record().to_dict()
     edit(obj)
     with pytest.raises(error, match=message):
-        EngineRecord.from_json(obj)
+        EngineRecord.from_dict(obj)
 
 
 FACTS = RuntimeFacts(tensorrt_version="10.3.0", gpu_name="NVIDIA H200", compute_capability="9.0")
@@ -352,7 +352,7 @@ def test_the_tensorrt_backend_needs_an_engine_in_the_bundle(tmp_path):
 
 def test_the_engine_record_is_found_by_the_models_graph(tmp_path):
     record = _record()
-    bundle = _fake_bundle(tmp_path / "b", engines={"target": record.to_json()})
+    bundle = _fake_bundle(tmp_path / "b", engines={"target": record.to_dict()})
     entry = load_manifest(bundle).target
     root, role, found = bundle_engine_record(entry, (bundle / entry.graph).resolve())
     assert (root, role, found) == (bundle.resolve(), "target", record)
@@ -826,7 +826,7 @@ def test_native_route_builds_records_and_loads_through_the_registry(standard_bun
     _fake_tensorrt(monkeypatch)
     bundle = shutil.copytree(standard_bundle, tmp_path / "bundle")
     manifest = build_engines_for_bundle(bundle, precision="fp32", route="native", max_prompt=16, quiet=True)
-    record = EngineRecord.from_json(manifest.extra["engines"]["target"])
+    record = manifest.extra.engines["target"]
     assert (record.route, record.gpu_name, record.compute_capability, record.tensorrt_version) == \
         ("native", "Fake GPU", "9.0", "10.3.0")
     assert [p.name for p in record.profiles] == ["step", "prefill"]
@@ -841,7 +841,7 @@ def test_native_route_builds_records_and_loads_through_the_registry(standard_bun
     assert _greedy(engine) == _greedy(cpu)
 
     rebuilt = build_engines_for_bundle(bundle, precision="fp16", route="native", max_prompt=16, quiet=True)
-    new = EngineRecord.from_json(rebuilt.extra["engines"]["target"])
+    new = rebuilt.extra.engines["target"]
     assert new.cache_key != record.cache_key
     assert not (bundle / record.file).exists() and record.file not in load_manifest(bundle).files
     new_plan = json.loads((bundle / new.file).read_text())

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -28,7 +29,7 @@ from specedge.bench.configs import BenchConfig, expand_configs, parse_config_nam
 from specedge.bench.progress import Progress
 from specedge.runtime.drafters import DRAFTERS
 from specedge.bench.report import check_schema, clean, plot, render_markdown, to_json, write_results
-from specedge.bench.runner import RunRecord, check_outputs
+from specedge.bench.runner import BenchSettings, RunRecord, check_outputs
 from specedge.bench.suite import CATEGORIES, SUITE_PATH, load_suite
 from specedge.errors import InvalidParameterError
 
@@ -448,13 +449,12 @@ def test_write_results_to_a_stem(quick_run, tmp_path):
 def test_peers_run_with_the_environment_unchanged(monkeypatch):
     """No environment setting slows a peer: the bench sets no OpenMP wait policy (or anything else)."""
     import os
-    from types import SimpleNamespace
 
     from specedge.bench.peers import run_peers
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     before = dict(os.environ)
-    out = run_peers(SimpleNamespace(peers=("nope",)), None, [], [], {}, log=Progress(0, enabled=False))
+    out = run_peers(BenchSettings(Path("unused"), peers=("nope",)), None, [], [], {}, log=Progress(0, enabled=False))
     assert "unknown peer" in out["nope"]["skipped"]
     assert dict(os.environ) == before
 
@@ -492,7 +492,7 @@ def test_a_peer_that_segfaults_is_reported_as_crashed_with_its_signal_and_stderr
     workloads = [(SimpleNamespace(id=f"w{i}", category="code"), [6, 7, 8], False) for i in range(3)]
     ours = [SimpleNamespace(workload=f"w{i}", config="baseline", round=0, tokens=[9, 10, 11]) for i in range(3)]
     events = []
-    settings = SimpleNamespace(peers=("llamacpp",), peer_repeats=1, threads=1, peer_options={}, bundle="unused")
+    settings = BenchSettings(Path("unused"), peers=("llamacpp",), peer_repeats=1, threads=1)
     out = run_peers(settings, None, workloads, ours, {}, Progress(0, enabled=False), on_event=events.append)
     crash = out["llamacpp"]["crashed"]
     assert crash["signal"] == "SIGSEGV" and crash["returncode"] == -11

@@ -41,8 +41,8 @@ def test_manifest_records_the_variant(bundle):
     assert m.draft.n_layers == 1 and m.target.n_layers == 2
     assert m.draft.head_size == 64 and m.draft.vocab_size == m.target.vocab_size
     assert m.draft.head_tokens in m.files
-    report = m.extra["validation"]["draft:fp32-untied"]
-    assert max(report["max_abs_diff"].values()) < 1e-4  # compared with PyTorch's first layer, head columns
+    report = m.extra.validation["draft:fp32-untied"]
+    assert max(report.max_abs_diff.values()) < 1e-4  # compared with PyTorch's first layer, head columns
 
 
 def test_greedy_output_unchanged_and_proposals_inside_head(bundle):

@@ -136,9 +136,9 @@ def test_context_end_is_exact(int4_self):
 
 
 def test_the_bundle_records_that_exact_steps_hold_and_what_they_cost(int4_self):
-    record = int4_self.manifest.extra["exact_steps"]["target"]
-    assert record["bit_identical"] is True  # checked at export, on the exporting machine
-    assert record["two_row_step_cost"] > 0 and record["one_row_step_ms"] > 0
+    record = int4_self.manifest.extra.exact_steps["target"]
+    assert record.bit_identical is True  # checked at export, on the exporting machine
+    assert record.two_row_step_cost > 0 and record.one_row_step_ms > 0
 
 
 def test_inexact_plain_decoding_is_still_deterministic(int4_self):

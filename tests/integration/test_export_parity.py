@@ -153,11 +153,11 @@ def test_self_int4_draft_is_matmulnbits_and_its_bundle_validates(int4_bundle):
     target, target_nbits, _ = ops("target")
     assert target_nbits == []
 
-    report = manifest.extra["validation"]["draft:int4-vs-fp32"]
+    report = manifest.extra.validation["draft:int4-vs-fp32"]
     # Random 64-wide weights give flat softmaxes (top-1 ~5%), so int4 noise flips many argmaxes;
     # chance agreement would be 1/300. A broken quantized graph scores near chance.
-    assert report["top1_agreement"] > 0.2
-    assert np.isfinite(report["max_abs_diff"])
+    assert report.top1_agreement > 0.2
+    assert np.isfinite(report.max_abs_diff)
 
 
 def test_int4_draft_runs_and_speculation_keeps_greedy_output(int4_bundle, load_generator):

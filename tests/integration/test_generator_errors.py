@@ -45,7 +45,7 @@ def _replace_file(bundle, rel: str, data: bytes) -> None:
     """Overwrite a bundle file AND fix its manifest record, so only the file's content is wrong."""
     path = bundle / rel
     path.write_bytes(data)
-    edit_manifest(bundle, lambda obj: obj["files"].__setitem__(rel, file_record(path)))
+    edit_manifest(bundle, lambda obj: obj["files"].__setitem__(rel, file_record(path).to_dict()))
 
 
 # --------------------------------------------------------------------------- bundles and graphs

@@ -32,7 +32,7 @@ onnx = pytest.importorskip("onnx")
 def _set_record(bundle: Path, rel: str) -> None:
     path = bundle / "manifest.json"
     obj = json.loads(path.read_text())
-    obj["files"][rel] = file_record(bundle / rel)
+    obj["files"][rel] = file_record(bundle / rel).to_dict()
     path.write_text(json.dumps(obj))
 
 
@@ -141,18 +141,21 @@ def test_an_io_pattern_that_is_not_one_layer_index_is_a_manifest_error(llama_bun
         parse_manifest(obj)
 
 
+MACHINE = {"cpu": "a CPU", "cores": 2, "threads": 1}
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"batch_variance": [1, 2]}, r"'extra.batch_variance' must be an object"),
     ({"batch_variance": {"target": "big"}}, r"'extra.batch_variance.target' must be a finite number >= 0"),
     ({"batch_variance": {"target": -1.0}}, r"'extra.batch_variance.target' must be a finite number >= 0"),
     ({"cost_profile": "fast"}, r"'extra.cost_profile' must be an object"),
     ({"cost_profile": {"target_s": {"1": 0.01}}}, r"'extra.cost_profile.machine' is missing"),
-    ({"cost_profile": {"machine": {}, "target_s": {"x": 0.01}}}, r"has key 'x'; keys are verify lengths"),
-    ({"cost_profile": {"machine": {}, "target_s": {"1": "slow"}}}, r"'extra.cost_profile.target_s.1' must be a"),
-    ({"cost_profile": {"machine": {}, "target_s": {"2": 0.01}}}, r"lacks '1'"),
-    ({"cost_profile": {"machine": {}, "target_s": {"1": 0.01}, "draft_token_s": [0]}},
+    ({"cost_profile": {"machine": MACHINE, "target_s": {"x": 0.01}}}, r"has key 'x'; keys are verify lengths"),
+    ({"cost_profile": {"machine": MACHINE, "target_s": {"1": "slow"}}}, r"'extra.cost_profile.target_s.1' must be a"),
+    ({"cost_profile": {"machine": MACHINE, "target_s": {"2": 0.01}}}, r"lacks '1'"),
+    ({"cost_profile": {"machine": MACHINE, "target_s": {"1": 0.01}, "draft_token_s": [0]}},
      r"'extra.cost_profile.draft_token_s' must be a finite number > 0"),
-    ({"cost_profile": {"machine": {}, "target_s": {"1": 0.01}, "context": True}},
+    ({"cost_profile": {"machine": MACHINE, "target_s": {"1": 0.01}, "context": True}},
      r"'extra.cost_profile.context' must be an integer"),
 ], ids=["variance-list", "variance-str", "variance-negative", "profile-str", "profile-no-machine", "profile-bad-key",
         "profile-bad-time", "profile-no-step", "profile-bad-draft", "profile-bool-context"])
@@ -177,4 +180,4 @@ def test_a_measured_profile_round_trips(llama_bundle, tmp_path):
     bundle = _copy(llama_bundle, tmp_path)
     gen = Generator.from_bundle(bundle, threads=1)
     gen.tune(save=True, context=16)
-    assert load_manifest(bundle).extra["cost_profile"]["target_s"]["1"] > 0
+    assert load_manifest(bundle).extra.cost_profile.target_s[1] > 0

@@ -188,7 +188,7 @@ def _set_record(bundle: Path, rel: str) -> None:
     """Make the manifest's record of ``rel`` match the file now on disk."""
     path = bundle / "manifest.json"
     obj = json.loads(path.read_text())
-    obj["files"][rel] = file_record(bundle / rel)
+    obj["files"][rel] = file_record(bundle / rel).to_dict()
     path.write_text(json.dumps(obj))
 
 

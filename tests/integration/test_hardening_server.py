@@ -108,7 +108,7 @@ def test_a_slow_template_does_not_stall_the_server_and_is_a_bundle_error(server_
     bundle = Path(shutil.copytree(server_bundle, tmp_path / "slow-template"))
     (bundle / "chat_template.jinja").write_text(NESTED_LOOPS)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"]["chat_template.jinja"] = file_record(bundle / "chat_template.jinja")
+    manifest["files"]["chat_template.jinja"] = file_record(bundle / "chat_template.jinja").to_dict()
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     s = Serving(Generator.from_bundle(bundle, threads=1, load_draft=False), speculation=False)
     try:

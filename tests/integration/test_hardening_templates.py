@@ -133,7 +133,7 @@ def chatml_bundle(src: Path, dest: Path) -> Path:
     (bundle / "chat_template.jinja").write_text(CHATML)
     manifest = json.loads((bundle / "manifest.json").read_text())
     for rel in ("tokenizer.json", "chat_template.jinja"):
-        manifest["files"][rel] = file_record(bundle / rel)
+        manifest["files"][rel] = file_record(bundle / rel).to_dict()
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
 

@@ -167,7 +167,7 @@ def test_unknown_config_fields_are_named_in_a_warning_and_the_manifest(tiny_mode
     folder = tiny_model("llama", seed=3, config={"made_up_feature": 3})
     with pytest.warns(UnknownConfigFieldWarning, match=r"field\(s\) made_up_feature are not read by the exporter"):
         manifest = export_bundle(ExportConfig(target=str(folder), out=tmp_path / "b", quiet=True, max_context=64))
-    assert manifest.extra["unknown_config_fields"] == {"target": ["made_up_feature"]}
+    assert manifest.extra.unknown_config_fields == {"target": ("made_up_feature",)}
 
 
 def test_quantized_checkpoints_are_refused_by_name():
@@ -212,8 +212,8 @@ def test_context_past_training_warns_is_recorded_and_validated_across(tiny_model
     folder = tiny_model("llama", seed=3, config={"max_position_embeddings": 32})
     with pytest.warns(ContextBeyondTrainingWarning, match="max_context 64 exceeds the 32 positions"):
         manifest = export_bundle(ExportConfig(target=str(folder), out=tmp_path / "b", quiet=True, max_context=64))
-    assert "32 positions" in manifest.extra["context_warnings"]["target"]
-    assert "verify across edge 32" in manifest.extra["validation"]["target:fp32"]["max_abs_diff"]
+    assert "32 positions" in manifest.extra.context_warnings["target"]
+    assert "verify across edge 32" in manifest.extra.validation["target:fp32"].max_abs_diff
 
 
 def test_no_warning_within_the_trained_context(tiny_model, tmp_path):
@@ -223,7 +223,7 @@ def test_no_warning_within_the_trained_context(tiny_model, tmp_path):
         warnings.simplefilter("error")
         manifest = export_bundle(ExportConfig(target=str(tiny_model("llama")), out=tmp_path / "b", quiet=True,
                                               max_context=64))
-    assert "context_warnings" not in manifest.extra
+    assert manifest.extra.context_warnings == {}
 
 
 @pytest.mark.parametrize("edges, max_context", [((8,), 64), ((8, 16), 64), ((16, 32), 32), ((4,), 16),

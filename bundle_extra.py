@@ -1,0 +1,474 @@
+"""The typed parts of a manifest's ``extra``: one frozen dataclass and one parser each.
+
+``extra`` holds what export and later tools record about a bundle beyond the models
+themselves. Every key is declared here (:class:`ManifestExtra`), and each value has one
+parser (``from_dict``) and one writer (``to_dict``), so no caller reads raw JSON:
+
+==========================  ==========================================  ================================
+key                         type                                        written by
+==========================  ==========================================  ================================
+``validation``              role:label -> :class:`ValidationRecord` or   export (ORT vs PyTorch)
+                            :class:`ComparisonRecord`
+``batch_variance``          role -> float                                export (the near-tie record)
+``exact_steps``             role -> :class:`ExactSteps`                  export (batch-invariant steps)
+``context_warnings``        role -> str                                  export (max_context past training)
+``unknown_config_fields``   role -> [field name]                         export (config fields not known)
+``export_seconds``          float                                        export
+``cost_profile``            :class:`CostProfile`                         ``specedge tune`` / ``--tune``
+``engines``                 role -> :class:`EngineRecord`                ``export --engine tensorrt``
+==========================  ==========================================  ================================
+
+An unknown key, or a malformed value, is a :class:`~specedge.errors.ManifestError` (a
+``BundleError``) naming the field. Bundles of format 1 and 2 wrote exactly these shapes.
+
+Imports neither torch nor onnxruntime nor numpy (the runtime and the TensorRT engine read this).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidParameterError, ManifestError
+from .schema import (MAX_DRAFT_TOKENS, ROLES, check_type, dotted, finite, optional_relpath, read_field,
+                     refuse_unknown, relpath, show, string_map)
+
+if TYPE_CHECKING:
+    from .manifest import ModelIO
+
+ROUTES = ("ort-trt", "native")  # ONNX Runtime's TensorRT EP with its engine cache, or a plan we build ourselves
+TRT_PRECISIONS = ("fp32", "fp16", "int8")
+# Verify lengths a cost profile may time: 1 (a plain step) .. the largest verify a bundle may declare.
+MAX_VERIFY = MAX_DRAFT_TOKENS + 1
+
+
+def _role_map(obj: Any, name: str) -> dict[str, Any]:
+    """A JSON object keyed by model role (target, draft)."""
+    if not isinstance(obj, dict):
+        raise ManifestError(f"manifest field '{name}' must be an object keyed by model role ({', '.join(ROLES)}), "
+                            f"got {show(obj)}")
+    for role in obj:
+        if role not in ROLES:
+            raise ManifestError(f"manifest field '{name}' has key {show(role)}; keys are model roles "
+                                f"({', '.join(ROLES)})")
+    return obj
+
+
+def _number(value: Any, name: str) -> float:
+    """Any JSON number (NaN included: a non-strict validation may record one), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ManifestError(f"manifest field '{name}' must be a number, got {show(value)}")
+    return float(value)
+
+
+def _fraction(value: Any, name: str) -> float:
+    value = finite(value, name)
+    if value > 1:
+        raise ManifestError(f"manifest field '{name}' must be a fraction in [0, 1], got {show(value)}")
+    return value
+
+
+# --------------------------------------------------------------------------- cost profile
+
+
+@dataclass(frozen=True)
+class MachineFingerprint:
+    """What makes step timings transferable: the CPU model, its core count, the thread setting."""
+
+    cpu: str
+    cores: int
+    threads: int  # intra-op threads the profile was measured with (0 = ORT's default)
+
+    @classmethod
+    def here(cls, threads: int) -> "MachineFingerprint":
+        """This machine, at ``threads`` intra-op threads."""
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        cpu = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        return cls(cpu=cpu, cores=os.cpu_count() or 0, threads=threads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": self.cpu, "cores": self.cores, "threads": self.threads}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "MachineFingerprint":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("cpu", "cores", "threads"), where)
+        ints = {}
+        for key in ("cores", "threads"):
+            ints[key] = read_field(obj, key, where, int)
+            if ints[key] < 0:
+                raise ManifestError(f"manifest field '{where}.{key}' must be >= 0, got {ints[key]}")
+        return cls(cpu=read_field(obj, "cpu", where, str), **ints)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Step costs measured on one machine (``specedge tune``; :func:`specedge.runtime.costs.measure`).
+
+    ``target_s``: verify length n (1 = a plain step, n = k + 1) -> seconds of one target forward.
+    ``draft_token_s``: seconds of a 1-token draft step; ``draft_catchup_token_s``: seconds per
+    token of a draft catch-up feed. Both None when the bundle has no draft model.
+    """
+
+    machine: MachineFingerprint
+    target_s: dict[int, float]
+    context: int = 0  # cached positions the steps were timed after
+    draft_token_s: float | None = None
+    draft_catchup_token_s: float | None = None
+
+    KEYS = ("machine", "context", "target_s", "draft_token_s", "draft_catchup_token_s")
+
+    def usable(self, threads: int) -> bool:
+        """Measured on this CPU with the same thread setting (else re-measured)."""
+        return self.machine == MachineFingerprint.here(threads)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"machine": self.machine.to_dict(), "context": self.context,
+                               "target_s": {str(n): t for n, t in sorted(self.target_s.items())}}
+        for key in ("draft_token_s", "draft_catchup_token_s"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "extra.cost_profile") -> "CostProfile":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object, got {show(obj)}")
+        refuse_unknown(obj, cls.KEYS, where)
+        machine = MachineFingerprint.from_dict(read_field(obj, "machine", where, dict), f"{where}.machine")
+        steps = read_field(obj, "target_s", where, dict)
+        target_s = {}
+        for n, seconds in steps.items():
+            if not (isinstance(n, str) and n.isdigit() and 1 <= int(n) <= MAX_VERIFY):
+                raise ManifestError(f"manifest field '{where}.target_s' has key {show(n)}; keys are verify "
+                                    f"lengths '1'..'{MAX_VERIFY}'")
+            target_s[int(n)] = finite(seconds, f"{where}.target_s.{n}", positive=True)
+        if 1 not in target_s:
+            raise ManifestError(f"manifest field '{where}.target_s' lacks '1' (the plain step every profile has)")
+        draft = {key: (finite(obj[key], f"{where}.{key}", positive=True) if obj.get(key) is not None else None)
+                 for key in ("draft_token_s", "draft_catchup_token_s")}
+        context = read_field(obj, "context", where, int, optional=True, default=0)
+        if context < 0:
+            raise ManifestError(f"manifest field '{where}.context' must be >= 0, got {context}")
+        return cls(machine=machine, target_s=target_s, context=context, **draft)
+
+
+# --------------------------------------------------------------------------- export records
+
+
+@dataclass(frozen=True)
+class ValidationRecord:
+    """A graph checked against PyTorch at export (export/validate.py ``validate_graph``)."""
+
+    max_abs_diff: dict[str, float]  # segment name ("prefill", "verify across edge 32", ...) -> max |ORT - torch|
+    tolerance: float  # the largest difference allowed
+    top1_agreement: float  # fraction of compared positions whose argmax equals PyTorch's
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_abs_diff": dict(self.max_abs_diff), "tolerance": self.tolerance,
+                "top1_agreement": self.top1_agreement}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "ValidationRecord":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("max_abs_diff", "tolerance", "top1_agreement"), where)
+        diffs = read_field(obj, "max_abs_diff", where, dict)
+        return cls(max_abs_diff={str(k): _number(v, f"{where}.max_abs_diff.{k}") for k, v in diffs.items()},
+                   tolerance=finite(read_field(obj, "tolerance", where, (int, float)), f"{where}.tolerance"),
+                   top1_agreement=_fraction(read_field(obj, "top1_agreement", where, (int, float)),
+                                            f"{where}.top1_agreement"))
+
+
+@dataclass(frozen=True)
+class ComparisonRecord:
+    """Two graphs compared teacher-forced (e.g. int4 vs fp32; export/validate.py ``compare_graphs``)."""
+
+    top1_agreement: float
+    max_abs_diff: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"top1_agreement": self.top1_agreement, "max_abs_diff": self.max_abs_diff}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "ComparisonRecord":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("top1_agreement", "max_abs_diff"), where)
+        return cls(top1_agreement=_fraction(read_field(obj, "top1_agreement", where, (int, float)),
+                                            f"{where}.top1_agreement"),
+                   max_abs_diff=_number(read_field(obj, "max_abs_diff", where, (int, float)),
+                                        f"{where}.max_abs_diff"))
+
+
+def _validation_entry(obj: Any, where: str) -> ValidationRecord | ComparisonRecord:
+    """A validation (per-segment differences and a tolerance) or a comparison (one difference)."""
+    check_type(obj, where, dict)
+    return ValidationRecord.from_dict(obj, where) if "tolerance" in obj else ComparisonRecord.from_dict(obj, where)
+
+
+@dataclass(frozen=True)
+class ExactSteps:
+    """Batch-invariant plain steps checked on the export machine (export/validate.py ``exact_steps``)."""
+
+    bit_identical: bool  # a plain step's logits and K/V equal a verify row's, bit for bit
+    two_row_step_cost: float  # a 2-row step over a bare 1-row step (what exact plain decoding pays)
+    one_row_step_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bit_identical": self.bit_identical, "two_row_step_cost": self.two_row_step_cost,
+                "one_row_step_ms": self.one_row_step_ms}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "ExactSteps":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("bit_identical", "two_row_step_cost", "one_row_step_ms"), where)
+        return cls(bit_identical=read_field(obj, "bit_identical", where, bool),
+                   **{k: finite(read_field(obj, k, where, (int, float)), dotted(where, k))
+                      for k in ("two_row_step_cost", "one_row_step_ms")})
+
+
+# --------------------------------------------------------------------------- TensorRT engine records
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """min/opt/max of one input: its dims (execution tensor) or its values (shape tensor)."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("min", "opt", "max"):
+            object.__setattr__(self, name, tuple(int(d) for d in getattr(self, name)))
+        if not len(self.min) == len(self.opt) == len(self.max):
+            raise InvalidParameterError(f"shape range {self} has min/opt/max of different ranks")
+        if any(not 0 <= lo <= mid <= hi for lo, mid, hi in zip(self.min, self.opt, self.max)):
+            raise InvalidParameterError(f"shape range {self} needs 0 <= min <= opt <= max in every dimension")
+
+    def contains(self, dims: tuple[int, ...]) -> bool:
+        return len(dims) == len(self.min) and all(lo <= d <= hi for lo, d, hi in zip(self.min, dims, self.max))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "ShapeRange":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object with min, opt and max")
+        refuse_unknown(obj, ("min", "opt", "max"), where)
+        dims = {}
+        for key in ("min", "opt", "max"):
+            value = read_field(obj, key, where, list)
+            if any(isinstance(d, bool) or not isinstance(d, int) for d in value):
+                raise ManifestError(f"manifest field '{where}.{key}' must be a list of integers")
+            dims[key] = tuple(check_type(d, f"{where}.{key}", int) for d in value)
+        try:
+            return cls(**dims)
+        except InvalidParameterError as exc:
+            raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One TensorRT optimization profile.
+
+    ``shapes``: input name -> dims range for execution tensors (ids, positions, past K/V).
+    ``values``: input name -> *values* range for shape tensors; ``num_logits_to_keep``
+    feeds a Slice start, which TensorRT treats as a shape tensor read from host memory.
+    """
+
+    name: str
+    shapes: dict[str, ShapeRange]
+    values: dict[str, ShapeRange] = field(default_factory=dict)
+
+    def new_tokens(self, io: "ModelIO") -> tuple[int, int]:
+        r = self._shape(io.input_ids)
+        return r.min[1], r.max[1]
+
+    def past_length(self, io: "ModelIO") -> tuple[int, int]:
+        r = self._shape(io.past_key % 0)
+        return r.min[0], r.max[0]
+
+    def _shape(self, name: str) -> ShapeRange:
+        if name not in self.shapes:  # a record is manifest data: say which profile is incomplete
+            raise ManifestError(f"TensorRT profile {self.name!r} has no shape range for {name!r}")
+        return self.shapes[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shapes": {k: r.to_dict() for k, r in self.shapes.items()},
+                "values": {k: r.to_dict() for k, r in self.values.items()}}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "Profile":
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object")
+        refuse_unknown(obj, ("name", "shapes", "values"), where)
+        shapes = read_field(obj, "shapes", where, dict)
+        values = read_field(obj, "values", where, dict, optional=True, default={})
+        return cls(name=read_field(obj, "name", where, str),
+                   shapes={k: ShapeRange.from_dict(v, f"{where}.shapes.{k}") for k, v in shapes.items()},
+                   values={k: ShapeRange.from_dict(v, f"{where}.values.{k}") for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """How one bundle model's TensorRT engine was built; manifest ``extra["engines"][role]``."""
+
+    route: str  # one of ROUTES
+    tensorrt_version: str  # "10.3.0"; "" when the builder could not tell (ort-trt without the tensorrt module)
+    gpu_name: str  # e.g. "NVIDIA H200": engines are tuned for one device model
+    compute_capability: str  # e.g. "9.0"
+    precision: str  # one of TRT_PRECISIONS
+    profiles: tuple[Profile, ...]
+    file: str  # bundle-relative: the plan (native) or the TensorRT EP's cache folder (ort-trt)
+    sha256: str  # of the plan, or of the EP's .engine file; "" when the EP wrote none we could identify
+    cache_key: str
+    provider_options: dict[str, str] = field(default_factory=dict)  # ort-trt: EP options, cache paths relative
+    onnxruntime_version: str = ""  # ort-trt: the EP's cache layout follows ONNX Runtime's version
+    # ort-trt: the bundle-relative .engine file the EP wrote, whose sha256 is ``sha256``
+    # ("" in records written before it was recorded: then exactly one file must match the key).
+    engine_file: str = ""
+    # The graph the engine was built from, when not the model's own (the TensorRT rewrite; export/trt_graph.py).
+    graph: str = ""
+
+    KEYS = ("route", "tensorrt_version", "gpu_name", "compute_capability", "precision", "profiles", "file",
+            "sha256", "cache_key", "provider_options", "onnxruntime_version", "engine_file", "graph")
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise InvalidParameterError(f"engine route must be one of {', '.join(ROUTES)}; got {self.route!r}")
+        if self.precision not in TRT_PRECISIONS:
+            raise InvalidParameterError(f"engine precision must be one of {', '.join(TRT_PRECISIONS)}; "
+                                        f"got {self.precision!r}")
+        if not self.profiles:
+            raise InvalidParameterError("an engine record needs at least one optimization profile")
+
+    def max_new_tokens(self, io: "ModelIO") -> int:
+        """The largest n any profile accepts: longer forwards are split into chunks."""
+        return max(p.new_tokens(io)[1] for p in self.profiles)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"route": self.route, "tensorrt_version": self.tensorrt_version, "gpu_name": self.gpu_name,
+                "compute_capability": self.compute_capability, "precision": self.precision,
+                "profiles": [p.to_dict() for p in self.profiles], "file": self.file, "sha256": self.sha256,
+                "cache_key": self.cache_key, "provider_options": dict(self.provider_options),
+                "onnxruntime_version": self.onnxruntime_version, "engine_file": self.engine_file,
+                "graph": self.graph}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "extra.engines") -> "EngineRecord":
+        """Validate a decoded record; raises ManifestError naming the bad field."""
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest field '{where}' must be an object")
+        refuse_unknown(obj, cls.KEYS, where)
+        text = {k: read_field(obj, k, where, str) for k in ("route", "tensorrt_version", "gpu_name",
+                                                            "compute_capability", "precision", "sha256",
+                                                            "cache_key")}
+        options = read_field(obj, "provider_options", where, dict, optional=True, default={})
+        if any(not isinstance(v, str) for v in options.values()):
+            raise ManifestError(f"manifest field '{where}.provider_options' must map names to strings")
+        profiles = read_field(obj, "profiles", where, list)
+        try:
+            return cls(**text, file=relpath(read_field(obj, "file", where, str), f"{where}.file"),
+                       profiles=tuple(Profile.from_dict(p, f"{where}.profiles[{i}]") for i, p in enumerate(profiles)),
+                       provider_options=dict(options),
+                       onnxruntime_version=read_field(obj, "onnxruntime_version", where, str, optional=True,
+                                                      default=""),
+                       engine_file=optional_relpath(obj, "engine_file", where),
+                       graph=optional_relpath(obj, "graph", where))
+        except InvalidParameterError as exc:
+            raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+# --------------------------------------------------------------------------- the whole of extra
+
+
+@dataclass(frozen=True)
+class ManifestExtra:
+    """Everything a manifest's ``extra`` may hold (see the module docstring for who writes what).
+
+    Empty maps and None are "not recorded"; :meth:`to_dict` leaves them out.
+    """
+
+    validation: dict[str, ValidationRecord | ComparisonRecord] = field(default_factory=dict)
+    batch_variance: dict[str, float] = field(default_factory=dict)  # role -> max |verify - step| logit difference
+    exact_steps: dict[str, ExactSteps] = field(default_factory=dict)
+    context_warnings: dict[str, str] = field(default_factory=dict)
+    unknown_config_fields: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    export_seconds: float | None = None
+    cost_profile: CostProfile | None = None
+    engines: dict[str, EngineRecord] = field(default_factory=dict)
+
+    KEYS = ("validation", "batch_variance", "exact_steps", "context_warnings", "unknown_config_fields",
+            "export_seconds", "cost_profile", "engines")
+
+    def target_batch_variance(self) -> float | None:
+        """The target's measured batch variance (the near-tie gap's basis), None when not recorded."""
+        return self.batch_variance.get("target")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.validation:
+            out["validation"] = {k: r.to_dict() for k, r in self.validation.items()}
+        if self.batch_variance:
+            out["batch_variance"] = dict(self.batch_variance)
+        if self.exact_steps:
+            out["exact_steps"] = {k: r.to_dict() for k, r in self.exact_steps.items()}
+        if self.context_warnings:
+            out["context_warnings"] = dict(self.context_warnings)
+        if self.unknown_config_fields:
+            out["unknown_config_fields"] = {k: list(v) for k, v in self.unknown_config_fields.items()}
+        if self.export_seconds is not None:
+            out["export_seconds"] = self.export_seconds
+        if self.cost_profile is not None:
+            out["cost_profile"] = self.cost_profile.to_dict()
+        if self.engines:
+            out["engines"] = {role: r.to_dict() for role, r in self.engines.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "extra") -> "ManifestExtra":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.KEYS, where)
+
+        def sub(key: str) -> Any:
+            """The value at ``key``; absent or null is an empty map (a scalar key reads null itself)."""
+            value = obj.get(key)
+            return {} if value is None else value
+
+        validation = check_type(sub("validation"), f"{where}.validation", dict)
+        variance = sub("batch_variance")
+        if not isinstance(variance, dict):
+            raise ManifestError(f"manifest field '{where}.batch_variance' must be an object of role -> number, "
+                                f"got {show(variance)}")
+        variance = _role_map(variance, f"{where}.batch_variance")
+        exact = _role_map(sub("exact_steps"), f"{where}.exact_steps")
+        warnings = _role_map(string_map(sub("context_warnings"), f"{where}.context_warnings"),
+                             f"{where}.context_warnings")
+        unknown = _role_map(sub("unknown_config_fields"), f"{where}.unknown_config_fields")
+        for role, names in unknown.items():
+            check_type(names, f"{where}.unknown_config_fields.{role}", list)
+            for i, name in enumerate(names):
+                check_type(name, f"{where}.unknown_config_fields.{role}[{i}]", str)
+        seconds = read_field(obj, "export_seconds", where, (int, float), optional=True)
+        engines = _role_map(sub("engines"), f"{where}.engines")
+        profile = obj.get("cost_profile")
+        return cls(
+            validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
+            batch_variance={role: finite(v, f"{where}.batch_variance.{role}") for role, v in variance.items()},
+            exact_steps={role: ExactSteps.from_dict(v, f"{where}.exact_steps.{role}") for role, v in exact.items()},
+            context_warnings=dict(warnings),
+            unknown_config_fields={role: tuple(names) for role, names in unknown.items()},
+            export_seconds=finite(seconds, f"{where}.export_seconds") if seconds is not None else None,
+            cost_profile=CostProfile.from_dict(profile, f"{where}.cost_profile") if profile is not None else None,
+            engines={role: EngineRecord.from_dict(v, f"{where}.engines.{role}") for role, v in engines.items()},
+        )

@@ -1,0 +1,10 @@
+"""The server's tunable limits and their defaults, defined once.
+
+Plain constants with no dependency, so ``specedge serve``'s options (cli/serve.py) read the
+same defaults as :func:`specedge.server.app.create_app` without importing starlette.
+"""
+
+DEFAULT_QUEUE_SIZE = 16  # waiting requests; on one device a deeper queue is only a longer wait
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more is a mistake or an attack
+DEFAULT_SHUTDOWN_GRACE_S = 5.0  # how long a running reply may go on after SIGTERM before it is cut
+MAX_SHUTDOWN_GRACE_S = 3600.0  # a longer grace is a typo: a supervisor would kill the process first
