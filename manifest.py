@@ -144,7 +144,7 @@ class TokenizerEntry:
 class SpeculationDefaults:
     """What a bundle runs when the caller does not say otherwise."""
 
-    drafter: str = "model"  # one of runtime.drafters.DRAFTER_CHOICES
+    drafter: str = "auto"  # one of runtime.drafters.DRAFTER_CHOICES (DEFAULT_DRAFTER)
     draft_tokens: int = 4  # k for fixed-k speculation
     max_draft_tokens: int = 8  # the largest verify is max_draft_tokens + 1 tokens
     adaptive: bool = True  # let the cost model choose k per step (k=0 included)
@@ -347,7 +347,7 @@ def parse_manifest(obj: Any) -> Manifest:
     )
 
     # The drafter registry names the drafters; imported here, not at the top: the runtime imports this module.
-    from .runtime.drafters import DRAFTER_CHOICES, needs_draft_model
+    from .runtime.drafters import DEFAULT_DRAFTER, DRAFTER_CHOICES, needs_draft_model
 
     spec = read_field(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
@@ -362,7 +362,7 @@ def parse_manifest(obj: Any) -> Manifest:
                             f" got {draft_tokens}")
     speculation = SpeculationDefaults(
         drafter=choice(read_field(spec, "drafter", "speculation", str, optional=True,
-                             default="model" if draft else "ngram"), DRAFTER_CHOICES, "speculation.drafter"),
+                                  default=DEFAULT_DRAFTER), DRAFTER_CHOICES, "speculation.drafter"),
         draft_tokens=draft_tokens,
         max_draft_tokens=max_draft,
         adaptive=read_field(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),

@@ -23,6 +23,7 @@ from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
+from ..runtime.drafters import DEFAULT_DRAFTER
 from .leftovers import is_stale, pid_after
 
 SELF_DRAFTS = ("self-int4", "self-int8")
@@ -347,7 +348,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             raise VocabMismatchError(f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}")
         manifest = Manifest(
             target=target, draft=draft, tokenizer=tokenizer,
-            speculation=SpeculationDefaults(drafter="model" if draft else "ngram",
+            speculation=SpeculationDefaults(drafter=DEFAULT_DRAFTER,
                                             draft_tokens=min(4, config.max_draft_tokens),
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",

@@ -50,6 +50,9 @@ class CompositeDrafter:
         # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
         return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
 
+    def lookup_tokens(self, history, limit: int) -> int:
+        return self.ngram.lookup_tokens(history, limit)
+
     @property
     def catchup_s(self) -> float:
         return self.model.catchup_s if self.last_source == "model" else 0.0

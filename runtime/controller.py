@@ -23,6 +23,14 @@ class ControllerSnapshot:
     observed: int = 0  # positions 0..observed-1 have had at least one outcome
     catchup_deferred: int = 0  # steps run plain because a catch-up would not have paid off
     mode_s: tuple[tuple[str, float], ...] = ()  # ("speculative" | "plain", seconds) pairs; empty: not tracked
+    # The default controller's (DefaultK) lookup side, and its exploration budget, carried to the next reply.
+    lookup_acceptance: tuple[float, ...] = ()
+    lookup_observed: int = 0
+    budget_s: float | None = None  # None: not tracked (other controllers)
+    plain_s: float = 0.0  # what plain decoding would have spent on this reply's steps (DefaultK)
+    overhead_s: float = 0.0  # net seconds speculation spent beyond that (negative: it saved time)
+    lookup_steps: int = 0  # steps DefaultK served with a lookup
+    model_steps: int = 0  # ... and with the draft model
 
 
 class Controller(Protocol):
@@ -30,9 +38,11 @@ class Controller(Protocol):
 
     name: str
 
-    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
+               lookup_tokens: int = 0) -> int:
         """k in 0..limit. ``catchup_tokens``: what the drafter reads before drafting;
-        ``expected_remaining``: tokens this reply is still expected to run (None = unknown)."""
+        ``expected_remaining``: tokens this reply is still expected to run (None = unknown);
+        ``lookup_tokens``: what the drafter's next proposal would take from a lookup (no model)."""
         ...
 
     def observe(self, step: StepOutcome) -> None: ...
@@ -50,7 +60,8 @@ class FixedK:
             raise InvalidParameterError(f"draft_tokens must be >= 0; got {k}")
         self.k = k
 
-    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
+               lookup_tokens: int = 0) -> int:
         return min(self.k, limit)
 
     def observe(self, step: StepOutcome) -> None:
@@ -157,9 +168,11 @@ class AdaptiveK:
         return expected_remaining * (1 / rate_plain - 1 / rate_k) >= one_off
 
     # --- protocol -----------------------------------------------------------------
-    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
+               lookup_tokens: int = 0) -> int:
         """k for the next step. ``catchup_tokens``: what the drafter must feed before drafting;
-        ``expected_remaining``: tokens this reply is still expected to run (None = unknown)."""
+        ``expected_remaining``: tokens this reply is still expected to run (None = unknown).
+        ``lookup_tokens`` is not read: one acceptance model covers whatever the drafter proposes."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
@@ -199,3 +212,108 @@ class AdaptiveK:
 
     def snapshot(self) -> ControllerSnapshot:
         return ControllerSnapshot(tuple(self.alpha), self.observed, self.catchup_deferred, tuple(self.mode_s.items()))
+
+
+class DefaultK:
+    """The default policy: lookup drafts whenever they exist, the draft model only where the cost
+    model predicts a gain, plain steps otherwise; exploring is paid from a budget.
+
+    Per step, with ``lookup_tokens`` what the drafter's lookup has ready (runtime/auto_drafter.py):
+
+    1. a lookup exists: draft it (SuffixDecoding, Oliaro et al., arXiv 2411.04975: a lookup
+       runs no model, so its draft costs microseconds). Its length is chosen by an
+       :class:`AdaptiveK` that sees the lookup's own per-position acceptance and the
+       CostModel's target costs with a free draft (``CostModel.lookup_view``): it is capped
+       where verifying more rows stops paying (on a 2-row exact step one token is free);
+    2. no lookup and a draft model: an :class:`AdaptiveK` over the draft model's acceptance and
+       the CostModel's measured c, v(k) and catch-up chooses k, 0 when no k beats a plain step
+       (llama.cpp likewise keeps, among its drafters, the one with the most expected accepted
+       tokens per cost);
+    3. otherwise a plain step.
+
+    Exploration budget: every speculative step whose drafts might all be rejected is allowed
+    only when the budget covers what it would then lose (``CostModel.loss_if_rejected``: its
+    catch-up, its draft steps and its longer verify, against a plain step); otherwise its k
+    shrinks until it fits, down to 0. The budget earns ``EXPLORE_SHARE`` of the plain-decoding
+    time of every step, and each speculative step's realised net cost is charged (a step that
+    saved time credits it). So as long as the realised costs match the model's, speculation's
+    net cost stays at most ``EXPLORE_SHARE`` of plain time where it never pays (priors,
+    probes and catch-ups included), while speculation that pays funds its own next steps.
+    The budget is capped at ``EXPLORE_SHARE`` of ``BUDGET_STEPS`` plain steps, so a long
+    winning run cannot bank enough to buy a long losing one.
+    """
+
+    name = "default"
+
+    # Where speculation never pays, probes, priors and catch-ups cost at most 2% of plain time
+    # (the issue's bound): below the run-to-run noise of a shared CPU box (5-10%), yet enough to
+    # re-probe a draft model every ~100 plain steps at a probe costing ~2 target steps.
+    EXPLORE_SHARE = 0.02
+    # The budget holds at most 2% of 512 plain steps (~10 target steps): a probe with a full
+    # 64-token catch-up fits, a winning streak cannot fund a long losing one.
+    BUDGET_STEPS = 512
+
+    def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
+                 model_acceptance: list[float] | None = None, model_observed: int = 0,
+                 lookup_acceptance: list[float] | None = None, lookup_observed: int = 0,
+                 budget_s: float = 0.0) -> None:
+        """``costs``: the drafter's one CostModel (the loop feeds it); the ``*_acceptance`` and
+        ``budget_s``: what the previous reply ended with (its :meth:`snapshot`)."""
+        self.costs = costs
+        self.lookup = AdaptiveK(max_k, costs=costs.lookup_view(), start_k=start_k, acceptance=lookup_acceptance,
+                                observed=lookup_observed)
+        self.model = AdaptiveK(max_k, costs=costs, start_k=start_k, acceptance=model_acceptance,
+                               observed=model_observed) if has_model else None
+        self.budget_s = max(float(budget_s), 0.0)
+        self.plain_s = 0.0
+        self.overhead_s = 0.0
+        self.mode_s = {"speculative": 0.0, "plain": 0.0}
+        self.steps = {"lookup": 0, "model": 0, "plain": 0}  # how the steps were served
+
+    def budget_cap(self) -> float:
+        t_plain = self.costs.target_cost(1)
+        return float("inf") if t_plain is None else self.EXPLORE_SHARE * self.BUDGET_STEPS * t_plain
+
+    def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
+               lookup_tokens: int = 0) -> int:
+        if limit <= 0 or self.costs.target_cost(1) is None:
+            return 0  # first step: measure a plain step before judging speculation
+        lookup = lookup_tokens > 0
+        side = self.lookup if lookup else self.model
+        if side is None:
+            return 0
+        catchup = 0 if lookup else catchup_tokens
+        k = side.choose(min(limit, lookup_tokens) if lookup else limit, catchup_tokens=catchup,
+                        expected_remaining=expected_remaining)
+        while k > 0 and self.costs.loss_if_rejected(k, catchup, lookup=lookup) > self.budget_s:
+            k -= 1  # what the budget cannot cover if every draft is rejected
+        return k
+
+    def observe(self, step: StepOutcome) -> None:
+        """Charge the step to the budget, then teach the side that drafted it (plain steps: both)."""
+        t_plain = self.costs.target_cost(1)
+        if step.drafted == 0:
+            plain, spent = step.verify_s, step.verify_s
+            for side in (self.lookup, self.model):
+                if side is not None:
+                    side.observe(step)  # plain time since the side's last probe
+            self.steps["plain"] += 1
+        else:
+            # The step committed accepted + 1 tokens, which plain decoding makes in as many steps.
+            plain = (step.accepted + 1) * (t_plain if t_plain is not None else step.verify_s)
+            spent = step.draft_s + step.catchup_s + step.verify_s
+            side = self.lookup if step.lookup or self.model is None else self.model
+            side.observe(step)
+            self.steps["lookup" if side is self.lookup else "model"] += 1
+        self.plain_s += plain
+        self.overhead_s += spent - plain
+        self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - plain), self.budget_cap())
+        self.mode_s["speculative" if step.drafted else "plain"] += spent
+
+    def snapshot(self) -> ControllerSnapshot:
+        model = self.model.snapshot() if self.model is not None else ControllerSnapshot()
+        lookup = self.lookup.snapshot()
+        return ControllerSnapshot(model.acceptance, model.observed,
+                                  model.catchup_deferred + lookup.catchup_deferred, tuple(self.mode_s.items()),
+                                  lookup.acceptance, lookup.observed, self.budget_s, self.plain_s, self.overhead_s,
+                                  self.steps["lookup"], self.steps["model"])

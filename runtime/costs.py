@@ -53,6 +53,9 @@ class StepOutcome:
     verify_s: float  # the target's forward on drafted + 1 tokens
     catchup_s: float = 0.0  # seconds of the draft's catch-up in this step (counted apart from draft_s)
     catchup_tokens: int = 0  # tokens that catch-up read
+    # The proposal cost no draft-model forward in this step (a prompt/suffix lookup, or a draft
+    # carried over from a pipelined step): its draft time says nothing about the draft model's c.
+    lookup: bool = False
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -139,6 +142,31 @@ class CostModel:
             per_token = (self.draft_token_s or 0.0) * self.PRIOR_CATCHUP_SHARE
         return catchup_tokens * per_token
 
+    def loss_if_rejected(self, k: int, catchup_tokens: int = 0, *, lookup: bool = False) -> float | None:
+        """Seconds a step drafting k loses against a plain step when no draft token is accepted
+        (both then commit one token): ``catch-up + k * t_draft + t_target(k+1) - t_target(1)``;
+        None before any target step was measured.
+
+        ``lookup``: the draft is a lookup, which runs no model (no draft or catch-up cost). An
+        unmeasured draft model is assumed to cost as much as a target step per token (a draft
+        slower than that is no draft): the worst case is what an exploration budget must cover.
+        """
+        t_plain, t_step = self.target_cost(1), self.target_cost(k + 1)
+        if t_plain is None or t_step is None:
+            return None
+        if lookup or k == 0:
+            return t_step - t_plain
+        per_token = self.draft_token_s if self.draft_token_s is not None else t_plain
+        per_catchup = self.draft_catchup_token_s if self.draft_catchup_token_s is not None else \
+            per_token * self.PRIOR_CATCHUP_SHARE
+        catchup = catchup_tokens * per_catchup if catchup_tokens > self.USUAL_FEED else 0.0
+        return catchup + k * per_token + t_step - t_plain
+
+    def lookup_view(self) -> "CostModel":
+        """This model as a lookup step sees it: the same target costs (the dict is shared, not
+        copied, so every observe() here updates both) and a draft that costs nothing."""
+        return CostModel(self.target_s, 0.0, 0.0, self.beta)
+
     def latency_limit(self, max_latency_s: float | None, limit: int) -> int:
         """Largest k (<= limit) whose block is expected to commit within ``max_latency_s``.
 
@@ -164,7 +192,7 @@ class CostModel:
         self.target_s[n_verify] = self._ema(self.target_s.get(n_verify), step.verify_s)
         if step.catchup_tokens > self.USUAL_FEED and step.catchup_s > 0:
             self.draft_catchup_token_s = self._ema(self.draft_catchup_token_s, step.catchup_s / step.catchup_tokens)
-        if step.drafted > 0:
+        if step.drafted > 0 and not step.lookup:
             self.draft_token_s = self._ema(self.draft_token_s, step.draft_s / step.drafted)
 
 

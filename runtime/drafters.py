@@ -18,18 +18,26 @@ import importlib
 from .drafting import DraftModel, Drafter, DrafterSpec
 
 
-def _entry(module: str, *, needs_draft_model: bool, help: str, reads_replies: bool = False) -> DrafterSpec:
+def _entry(module: str, *, needs_draft_model: bool, help: str, reads_replies: bool = False,
+           optional_draft_model: bool = False) -> DrafterSpec:
     """The registry entry of runtime/<module>.py, whose ``build`` is imported on first use. Its
     ``build(config, draft)`` gets ``replies`` as a third argument only when ``reads_replies``."""
     def build(config, draft, replies):
         make = importlib.import_module(f"{__package__}.{module}").build
         return make(config, draft, replies) if reads_replies else make(config, draft)
 
-    return DrafterSpec(build, needs_draft_model=needs_draft_model, reads_replies=reads_replies, help=help)
+    return DrafterSpec(build, needs_draft_model=needs_draft_model, reads_replies=reads_replies, help=help,
+                       optional_draft_model=optional_draft_model)
 
 NO_DRAFTER = "none"  # speculation off: every step is a plain target step
 
+DEFAULT_DRAFTER = "auto"  # what a bundle runs unless its manifest or the call names another
+
 DRAFTERS: dict[str, DrafterSpec] = {
+    "auto": _entry("auto_drafter", needs_draft_model=False, reads_replies=True, optional_draft_model=True,
+                   help="the default: suffix lookup (with earlier replies) whenever it has a proposal; the "
+                        "draft model, if the bundle has one, only where the cost model predicts a gain; "
+                        "else plain steps"),
     "model": _entry("model_drafter", needs_draft_model=True,
                     help="the bundle's draft model proposes (best on free-form text)"),
     "ngram": _entry("ngram_drafter", needs_draft_model=False,
@@ -48,12 +56,17 @@ def reads_replies(name: str) -> bool:
     return name in DRAFTERS and DRAFTERS[name].reads_replies
 
 
+def uses_draft_model(name: str, has_draft: bool) -> bool:
+    """Whether drafter ``name`` runs a draft model on a bundle that has one (``has_draft``) or not."""
+    return needs_draft_model(name) or (has_draft and name in DRAFTERS and DRAFTERS[name].optional_draft_model)
+
+
 def needs_draft_model(name: str) -> bool:
     """Whether drafter ``name`` (a DRAFTER_CHOICES value) runs the draft model."""
     return name in DRAFTERS and DRAFTERS[name].needs_draft_model
 
 
-_CLASSES = {"ModelDrafter": "model_drafter", "NGramDrafter": "ngram_drafter", "CompositeDrafter": "composite_drafter",
+_CLASSES = {"AutoDrafter": "auto_drafter", "ModelDrafter": "model_drafter", "NGramDrafter": "ngram_drafter", "CompositeDrafter": "composite_drafter",
             "SuffixDrafter": "suffix_drafter"}
 
 
@@ -64,5 +77,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DRAFTERS", "DRAFTER_CHOICES", "NO_DRAFTER", "DraftModel", "Drafter", "DrafterSpec", "needs_draft_model",
-           "reads_replies"]
+__all__ = ["DEFAULT_DRAFTER", "DRAFTERS", "DRAFTER_CHOICES", "NO_DRAFTER", "DraftModel", "Drafter", "DrafterSpec", "needs_draft_model",
+           "reads_replies", "uses_draft_model"]

@@ -8,7 +8,8 @@ Every drafter has three methods (as in llama.cpp's common_speculative):
 - ``accept(history, n_accepted)``: the step committed; ``history`` is the new
   committed sequence, of which the last token came from the target.
 
-and declares its catch-up accounting, which the cost model weighs: a draft model
+and declares whether its next proposal is a lookup (``lookup_tokens``: no model runs,
+the draft costs microseconds) and its catch-up accounting, which the cost model weighs: a draft model
 must read history it has not seen (its deferred prompt prefill, or tokens committed
 by plain steps) before it can propose, a one-off that only the rest of the reply can
 repay. A drafter with no such cost (prompt lookup) reports 0 throughout.
@@ -55,6 +56,13 @@ class Drafter(Protocol):
         bound); 0 for a drafter that reads nothing. Only ``len(history)`` may be relied on."""
         ...
 
+    def lookup_tokens(self, history: Sequence[int], limit: int) -> int:
+        """How many tokens (<= ``limit``) the next ``propose(history, k)`` would take from a
+        lookup, which runs no model (0: it would run its draft model, or propose nothing).
+        ``history``: the committed sequence (the loop's list). The default policy drafts a
+        lookup whenever one exists; other controllers ignore it."""
+        ...
+
 
 @dataclass(frozen=True)
 class DraftModel:
@@ -80,3 +88,7 @@ class DrafterSpec:
     needs_draft_model: bool  # the only place this rule is stated
     help: str  # one line, shown by the CLI
     reads_replies: bool = False  # drafts from earlier replies too: the Generator feeds it each finished reply
+    # Runs the draft model when the bundle has one, and drafts without it otherwise (the default
+    # drafter): its cost model starts from the draft's measured costs, and the default controller
+    # (runtime/controller.py DefaultK) chooses between its lookup and its model per step.
+    optional_draft_model: bool = False

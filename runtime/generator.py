@@ -35,8 +35,9 @@ from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
 from . import loop
 from .profile import save as save_profile
-from .controller import AdaptiveK, Controller, FixedK
-from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies
+from .controller import AdaptiveK, Controller, DefaultK, FixedK
+from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
+                       uses_draft_model)
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
 from .slots import CacheSlot, SlotPool
@@ -198,7 +199,7 @@ class Generator:
         spec = self.manifest.speculation
         name = config.drafter or spec.drafter
         if config.drafter is None and needs_draft_model(name) and self.draft is None:
-            name = "ngram"  # the draft model was not loaded (load_draft=False): speculate without it
+            name = DEFAULT_DRAFTER  # the draft model was not loaded (load_draft=False): speculate without it
         if not config.speculation or name == NO_DRAFTER:
             return None, None
         if needs_draft_model(name) and self.draft is None:
@@ -207,10 +208,20 @@ class Generator:
         adaptive = spec.adaptive if config.adaptive is None else config.adaptive
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
-        if adaptive:
+        has_model = uses_draft_model(name, self.draft is not None)
+        if adaptive and DRAFTERS[name].optional_draft_model:
+            # The default policy: lookups whenever they exist, the model where it pays, on a budget.
+            max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
+            learned = self.memory.learned_for(name)
+            controller = DefaultK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
+                                  has_model=has_model, start_k=config.draft_tokens or spec.draft_tokens,
+                                  model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
+                                  lookup_acceptance=list(learned.lookup_acceptance) or None,
+                                  lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0)
+        elif adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             alpha, observed = self.memory.acceptance_for(name)
-            controller = AdaptiveK(max_k, costs=self.memory.costs_for(name),
+            controller = AdaptiveK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
                                    start_k=config.draft_tokens or spec.draft_tokens, acceptance=alpha,
                                    observed=observed)
         else:
@@ -336,7 +347,8 @@ class Generator:
                               result=state, mode=config.mode, stop=on_block, near_tie=self.near_tie_gap,
                               max_latency_s=config.max_latency_s,
                               horizon=self.memory.reply_lengths.expected_remaining,
-                              costs=None if drafter is None else self.memory.costs_for(drafter.name),
+                              costs=None if drafter is None else self.memory.costs_for(
+                                  drafter.name, uses_model=uses_draft_model(drafter.name, self.draft is not None)),
                               reuse=reuse)
             failed = True
             try:
@@ -379,6 +391,10 @@ class Generator:
         if learned is not None:
             result.stats.mode_s = dict(learned.mode_s)
             result.stats.catchup_deferred = learned.catchup_deferred
+            if learned.budget_s is not None:  # the default policy's own account (DefaultK)
+                result.stats.explore_overhead_s = learned.overhead_s
+                result.stats.explore_plain_s = learned.plain_s
+                result.stats.lookup_steps = learned.lookup_steps
         self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
         if drafter is not None and reads_replies(drafter.name) and config.reply_memory:
             self.memory.remember_reply(state.tokens)  # a cancelled reply's committed tokens are text too

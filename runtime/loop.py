@@ -107,6 +107,7 @@ class _Run:
         self.stats = result.stats
         self.history = [int(t) for t in prompt]
         self.carry: Proposal | None = None  # block n+1's proposal, drafted during block n's verify
+        self.step_lookup = False  # this step's proposal runs no draft model (a lookup, or the carry)
         self.start = time.perf_counter()
 
     def commit(self, block: list[int]) -> list[int]:
@@ -145,16 +146,22 @@ class _Run:
         return min(self.kv.capacity - len(self.history), self.max_new_tokens - len(self.result.tokens) - 1)
 
     def choose_k(self) -> int:
+        self.step_lookup = False
         limit = self.costs.latency_limit(self.max_latency_s, self.limit())
         if self.drafter is None or self.controller is None or limit <= 0:
             return 0
         if self.carry is not None:
+            self.step_lookup = True  # drafted during the last verify: this step runs no draft model
             return min(len(self.carry.tokens), limit)
-        catchup = self.drafter.pending_tokens(self.history)  # the list itself: no O(context) copy
+        # The history list itself is passed: no O(context) copy.
+        lookup = self.drafter.lookup_tokens(self.history, limit)
+        self.step_lookup = lookup > 0
+        catchup = self.drafter.pending_tokens(self.history)
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
             self.horizon(generated, self.max_new_tokens - generated)
-        return self.controller.choose(limit, catchup_tokens=catchup, expected_remaining=remaining)
+        return self.controller.choose(limit, catchup_tokens=catchup, expected_remaining=remaining,
+                                      lookup_tokens=lookup)
 
     def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
         verdict = verify(proposal, logits, self.sampling, self.rng, self.near_tie)
@@ -180,7 +187,8 @@ class _Run:
         catchup_tokens = self.drafter.catchup_tokens if drafted else 0
         stats.catchup_s += catchup
         stats.catchup_tokens += catchup_tokens
-        step = StepOutcome(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s, catchup, catchup_tokens)
+        step = StepOutcome(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s, catchup, catchup_tokens,
+                           lookup=self.step_lookup)
         self.costs.observe(step)
         if self.controller is not None:
             self.controller.observe(step)

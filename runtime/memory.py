@@ -30,15 +30,18 @@ class SpeculationMemory:
         self.profile = profile  # the measured cost profile new CostModels start from (None: from scratch)
         self.costs: dict[str, CostModel] = {}
         self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
+        self.learned: dict[str, ControllerSnapshot] = {}  # drafter -> its controller's last snapshot
         self.reply_lengths = ReplyLengths()
         self.replies = ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS)  # earlier replies' tokens
 
-    def costs_for(self, drafter: str) -> CostModel:
-        """The drafter's learned step costs, kept across calls (created from the profile on first use)."""
+    def costs_for(self, drafter: str, *, uses_model: bool | None = None) -> CostModel:
+        """The drafter's learned step costs, kept across calls (created from the profile on first use).
+        ``uses_model``: whether it runs a draft model here (default: whether it needs one)."""
         costs = self.costs.get(drafter)
         if costs is None:
+            uses_model = needs_draft_model(drafter) if uses_model is None else uses_model
             costs = self.costs[drafter] = (
-                CostModel.from_profile(self.profile, uses_draft_model=needs_draft_model(drafter))
+                CostModel.from_profile(self.profile, uses_draft_model=uses_model)
                 if self.profile is not None else CostModel())
         return costs
 
@@ -46,12 +49,19 @@ class SpeculationMemory:
         """(per-position acceptance, positions observed) the drafter's last reply ended with."""
         return self.acceptance.get(drafter, (None, 0))
 
+    def learned_for(self, drafter: str) -> ControllerSnapshot:
+        """All the drafter's controller carried out of its last reply (the default controller's
+        lookup acceptance and exploration budget included); empty before its first reply."""
+        return self.learned.get(drafter, ControllerSnapshot())
+
     def remember(self, new_tokens: int, reason: str, drafter: str | None = None,
                  learned: ControllerSnapshot | None = None) -> None:
         """Record a finished reply: its length (unless cancelled: a cancelled reply's length says
         nothing about the traffic) and what its drafter's controller learned, if it had one."""
         if drafter is not None and learned is not None and learned.observed:
             self.acceptance[drafter] = (list(learned.acceptance), learned.observed)
+        if drafter is not None and learned is not None:
+            self.learned[drafter] = learned
         if reason != "cancelled":
             self.reply_lengths.record(new_tokens, finished=reason in ("stop", "stop_string"))
 
@@ -63,6 +73,7 @@ class SpeculationMemory:
         """Forget what replies taught (acceptance, reply lengths, the replies themselves); keep the
         machine's step costs."""
         self.acceptance.clear()
+        self.learned.clear()
         self.reply_lengths = ReplyLengths()
         self.replies.clear()
 

@@ -134,6 +134,9 @@ class ModelDrafter:
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
 
+    def lookup_tokens(self, history, limit: int) -> int:
+        return 0  # every proposal runs the draft model
+
     def pending_tokens(self, history) -> int:
         """How many tokens the next ``propose(history, k)`` feeds before its first draft token
         (an upper bound: a rejected tail it rewinds first is not counted). ``history``: any

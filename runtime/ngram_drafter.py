@@ -86,6 +86,12 @@ class NGramDrafter:
     def pending_tokens(self, history) -> int:
         return 0
 
+    def lookup_tokens(self, history, limit: int) -> int:
+        """Every proposal is a lookup: the length of the match's continuation, capped at ``limit``."""
+        self._sync(history)
+        start = self._match_start()
+        return 0 if start is None else min(limit, len(self._tokens) - start)
+
 
 def build(config: "GenerationConfig", draft: DraftModel | None) -> NGramDrafter:
     """The registry's constructor."""

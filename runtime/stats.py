@@ -33,6 +33,11 @@ class GenerationStats:
     catchup_deferred: int = 0  # steps run plain because the draft's catch-up would not have paid off
     reply_memory_tokens: int = 0  # the Generator's cross-reply memory after this reply: tokens held
     reply_memory_bytes: int = 0  # ... and its approximate size in bytes (SuffixTrie.approx_nbytes)
+    # The default policy's account (controller.DefaultK): what plain decoding would have spent on this
+    # reply's decode steps, and the net seconds speculation spent beyond it (negative: it saved time).
+    explore_plain_s: float = 0.0
+    explore_overhead_s: float = 0.0
+    lookup_steps: int = 0  # steps the default policy served with a lookup (the rest: model or plain)
 
     @property
     def acceptance(self) -> float:

@@ -82,8 +82,12 @@ class SuffixDrafter:
         self.local = SuffixTrie(depth)
         self._appender: Appender = self.local.start()
         self.last_source = "none"  # "local", "replies" or "none": where the last proposal came from
+        # The last best() answer, keyed by what decides it (context, k, what the local trie holds):
+        # lookup_tokens() and the propose() that follows it ask the same question.
+        self._last: tuple[tuple, tuple[str, Chain]] | None = None
 
     def begin(self, prompt: np.ndarray) -> None:
+        self._last = None
         self.local = SuffixTrie(self.depth)
         self._appender = self.local.start()
         self._appender.extend(np.asarray(prompt).tolist())
@@ -122,12 +126,16 @@ class SuffixDrafter:
     def best(self, history: np.ndarray, k: int) -> tuple[str, Chain]:
         """(source, chain): the candidate with the most expected accepted tokens (local on a tie)."""
         context = np.asarray(history[-self.max_match:]).tolist()
+        key = (tuple(context), k, self._appender.length, id(self.local))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
         best = ("none", EMPTY_CHAIN)
         sources = [("local", self.local)] + ([("replies", self.replies.trie)] if self.replies is not None else [])
         for source, trie in sources:
             candidate = self.chain(trie, context, k)
             if candidate.expected_accepted > best[1].expected_accepted:
                 best = (source, candidate)
+        self._last = (key, best)
         return best
 
     def propose(self, history: np.ndarray, k: int) -> Proposal:
@@ -142,6 +150,14 @@ class SuffixDrafter:
 
     def pending_tokens(self, history) -> int:
         return 0
+
+    def lookup_tokens(self, history, limit: int) -> int:
+        """Every proposal is a lookup: the best chain's length for ``limit`` tokens. ``history`` is
+        committed, so the local trie first takes in what plain steps committed since the last accept."""
+        if limit < 1:
+            return 0
+        self._sync(history)
+        return len(self.best(history, limit)[1].tokens)
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None, replies: ReplyMemory | None) -> SuffixDrafter:

@@ -61,7 +61,7 @@ def test_optional_fields_take_their_defaults(manifest_json):
     obj = _with(manifest_json, "speculation", delete=True)
     obj = _with(obj, "models.target.io", delete=True)
     manifest = parse_manifest(obj)
-    assert manifest.speculation.drafter == "model"  # the bundle has a draft
+    assert manifest.speculation.drafter == "auto"  # the default: lookups, and the draft where it pays
     assert manifest.target.io.past_key == "past_key.%d"
 
 
@@ -96,7 +96,7 @@ def test_ill_typed_field_names_the_dotted_field(manifest_json, path, value, want
     ("models.target.n_kv_heads", 3, r"must be a multiple of n_kv_heads"),
     ("models.target.eos_token_ids", [999999], r"eos_token_ids\[0\]' must be a token id in \[0, 300\)"),
     ("models.target.io", {"past_key": "past_key"}, r"'models.target.io.past_key' must contain exactly one '%d'"),
-    ("speculation.drafter", "beam", r"'speculation.drafter' must be one of none, model, ngram, composite, suffix"),
+    ("speculation.drafter", "beam", r"'speculation.drafter' must be one of none, auto, model, ngram, composite, suffix"),
     ("speculation.max_draft_tokens", 65, r"must be in \[1, 64\]"),
     ("format", "other-bundle", r"not a specedge bundle"),
 ])
@@ -109,8 +109,10 @@ def test_unknown_model_role_and_missing_draft(manifest_json):
     obj = _with(manifest_json, "models.extra", manifest_json["models"]["draft"])
     with pytest.raises(ManifestError, match=r"unknown entries \['extra'\]"):
         parse_manifest(obj)
+    no_draft = _with(manifest_json, "models.draft", delete=True)
     with pytest.raises(ManifestError, match=r"'speculation.drafter' is 'model' but the bundle has no models.draft"):
-        parse_manifest(_with(manifest_json, "models.draft", delete=True))
+        parse_manifest(_with(no_draft, "speculation.drafter", "model"))
+    assert parse_manifest(_with(no_draft, "speculation", delete=True)).speculation.drafter == "auto"  # lookup only
 
 
 @pytest.mark.parametrize("version", [0, 3, 99])

@@ -210,11 +210,14 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
 
 def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(reference):
     gen = reference(draft="self")  # the numpy reference engines (tests/reference_engine.py)
-    gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # adaptive, the bundle default
+    gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12, drafter="model")  # adaptive model drafting
+    gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # the default policy (its budget, lookups)
     memory = gen.memory
     assert len(memory.reply_lengths) >= 1 and memory.acceptance and memory.costs
+    assert memory.learned_for("auto").budget_s is not None and memory.replies.tokens > 0
     gen.forget_replies()
     assert len(memory.reply_lengths) == 0 and not memory.acceptance and memory.costs
+    assert memory.learned_for("auto").budget_s is None and memory.replies.tokens == 0
 
 
 def test_a_marginal_predicted_gain_stays_plain():
