@@ -1,0 +1,304 @@
+"""The default policy (drafter ``auto`` + controller ``DefaultK``): never slower, same tokens.
+
+Guards:
+- the exploration budget: with fake step timings (an injected clock: no sleeps, no real
+  timing) and a draft model that is never accepted, the real loop's probes, priors and
+  catch-ups cost at most ``DefaultK.EXPLORE_SHARE`` (2%) of plain decoding's time, in one
+  long reply and over many short ones (the budget carried between them), and probes do
+  happen; where the draft model pays (every draft accepted) it carries most of the reply;
+- lookups are drafted whenever they exist, at no draft cost, and the model is not run then;
+- greedy output equals plain decoding at every k and mode, with and without a draft model,
+  with and without cross-reply memory; sampling keeps the target's distribution (chi-square);
+- the bundle default is ``auto``: lookup-only on a bundle without a draft model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT_IDS
+from distribution import assert_same_distribution, token_counts
+from specedge.runtime import loop
+from specedge.runtime.controller import DefaultK
+from specedge.runtime.costs import CostModel
+from specedge.runtime.drafters import DRAFTERS, AutoDrafter, uses_draft_model
+from specedge.runtime.generator import Generator
+from specedge.runtime.sampling import SamplingConfig
+from specedge.runtime.verify import Proposal
+
+VOCAB = 50
+STEP_S = 0.010  # a 1-token (2-row, exact) target step
+VERIFY_SLOPE = 0.1  # each verified row past the second adds 10% of a step
+DRAFT_S = 0.003  # one draft token: c = 0.3
+CATCHUP_TOKEN_S = 0.001  # one token of a draft's catch-up feed
+WINDOW = 64  # the draft reads at most this many unseen tokens at once (ModelDrafter's window)
+
+
+class Clock:
+    """The injected clock: time advances only when a fake forward or draft says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def verify_s(n: int) -> float:
+    """A target forward on n tokens: 2 rows cost one step (exact steps pad to 2), then +10% a row."""
+    return STEP_S * (1 + VERIFY_SLOPE * max(n - 2, 0))
+
+
+class FakeCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.length = capacity, 0
+
+    def rewind(self, n: int) -> None:
+        self.length -= n
+
+
+class FakeTarget:
+    """The target's greedy next token after t is (t + 1) % VOCAB; a forward costs verify_s(n)."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def forward(self, ids: np.ndarray, kv: FakeCache, num_logits: int) -> np.ndarray:
+        self.clock.now += verify_s(len(ids)) if len(ids) <= 9 else STEP_S * len(ids) / 8  # prefill: batched
+        kv.length += len(ids)
+        logits = np.zeros((num_logits, VOCAB), np.float32)
+        logits[np.arange(num_logits), (ids[-num_logits:] + 1) % VOCAB] = 1.0
+        return logits
+
+
+class FakeModelDrafter:
+    """A draft model on the injected clock: it catches up on the history it has not read (at most
+    WINDOW tokens), then drafts k tokens at DRAFT_S each; ``right`` drafts the target's tokens
+    (all accepted), else a token the target never picks (none accepted). Never a lookup."""
+
+    name = "auto"
+
+    def __init__(self, clock: Clock, right: bool) -> None:
+        self.clock, self.right = clock, right
+        self.read = 0  # history tokens the draft's cache holds
+        self.catchup_s, self.catchup_tokens = 0.0, 0
+
+    def begin(self, prompt) -> None:
+        self.read = 0
+
+    def pending_tokens(self, history) -> int:
+        return min(max(len(history) - self.read, 1), WINDOW)
+
+    def lookup_tokens(self, history, limit: int) -> int:
+        return 0
+
+    def propose(self, history, k: int) -> Proposal:
+        feed = self.pending_tokens(history)
+        self.catchup_tokens = feed if feed > 2 else 0
+        self.catchup_s = feed * CATCHUP_TOKEN_S if feed > 2 else 0.0
+        self.clock.now += feed * CATCHUP_TOKEN_S + k * DRAFT_S
+        self.read = len(history) + k
+        last = int(history[-1])
+        step = 1 if self.right else 2
+        return Proposal(np.array([(last + step * (i + 1)) % VOCAB for i in range(k)], np.int64))
+
+    def accept(self, history, n_accepted: int) -> None:
+        self.read = min(self.read, len(history) - 1)  # the rejected tail and the target's token: unread
+
+
+def measured_costs() -> CostModel:
+    """What Generator.warmup's tune measures on this fake machine (the loop then refines it)."""
+    return CostModel({n: verify_s(n) for n in range(1, 10)}, DRAFT_S, CATCHUP_TOKEN_S)
+
+
+def decode(monkeypatch, tokens: int, drafter=None, controller=None, costs=None) -> float:
+    """Decode ``tokens`` through the real loop on the injected clock; returns the decode seconds
+    (after the first token) and checks the output is plain decoding's."""
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    if drafter is not None:
+        drafter.clock = clock
+    prompt = np.arange(40, dtype=np.int64) % VOCAB
+    result = loop.LoopResult()
+    blocks = loop.run(FakeTarget(clock), FakeCache(4096), prompt, max_new_tokens=tokens, eos_token_ids=(),
+                      sampling=SamplingConfig(), rng=np.random.default_rng(0), drafter=drafter,
+                      controller=controller, result=result, costs=costs)
+    first = next(blocks)
+    start = clock.now
+    for _ in blocks:
+        pass
+    assert first == result.tokens[:1] and result.tokens == [(40 + i) % VOCAB for i in range(tokens)]  # the target's
+    return clock.now - start
+
+
+def test_probes_and_catchups_cost_at_most_two_percent_where_the_draft_never_pays(monkeypatch):
+    tokens = 3000
+    plain = decode(monkeypatch, tokens)
+    assert plain == pytest.approx((tokens - 1) * STEP_S)
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=True)
+    spent = decode(monkeypatch, tokens, FakeModelDrafter(Clock(), right=False), controller, costs)
+    assert controller.steps["model"] >= 5  # it did explore (the bound is not met by never trying)
+    assert spent - plain <= DefaultK.EXPLORE_SHARE * plain
+    # The controller's own account is the real one (the fake costs are what the model predicts).
+    assert controller.overhead_s == pytest.approx(spent - plain, rel=1e-6, abs=1e-9)
+
+
+def test_the_budget_holds_over_many_short_replies_with_what_each_reply_carries(monkeypatch):
+    """Voice-like traffic: 60 replies of 24 tokens, each controller started from the last one's
+    snapshot (as Generator does through SpeculationMemory); the bound holds over the whole run."""
+    costs = measured_costs()
+    plain_total = spent_total = 0.0
+    learned = None
+    model_steps = 0
+    for _ in range(60):
+        plain_total += decode(monkeypatch, 24)
+        controller = DefaultK(8, costs=costs, has_model=True, budget_s=learned.budget_s if learned else 0.0,
+                              model_acceptance=list(learned.acceptance) if learned else None,
+                              model_observed=learned.observed if learned else 0)
+        spent_total += decode(monkeypatch, 24, FakeModelDrafter(Clock(), right=False), controller, costs)
+        learned = controller.snapshot()
+        model_steps += learned.model_steps
+    assert model_steps >= 2  # 2% of 1440 plain steps buys a couple of probes with a 40-token catch-up
+    assert spent_total - plain_total <= DefaultK.EXPLORE_SHARE * plain_total
+
+
+def test_a_draft_model_that_pays_carries_the_reply(monkeypatch):
+    tokens = 1500
+    plain = decode(monkeypatch, tokens)
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=True)
+    spent = decode(monkeypatch, tokens, FakeModelDrafter(Clock(), right=True), controller, costs)
+    snap = controller.snapshot()
+    assert snap.model_steps > 0 and snap.lookup_steps == 0
+    assert snap.acceptance[0] > 0.95
+    # Once found to pay, the model serves nearly every step: plain steps are the cold start only.
+    assert controller.steps["plain"] < 0.25 * tokens
+    assert spent < 0.6 * plain
+
+
+def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=True)
+    # A 1-token lookup costs nothing on an exact 2-row step: no budget is needed to try it.
+    assert controller.choose(8, catchup_tokens=64, lookup_tokens=1) == 1
+    assert controller.choose(8, catchup_tokens=64, lookup_tokens=0) == 0  # the model: budget 0, no probe
+    rich = DefaultK(8, costs=costs, has_model=True, budget_s=1.0, lookup_acceptance=[0.95] * 8, lookup_observed=8)
+    assert rich.choose(8, lookup_tokens=5) == 5  # never past what the lookup has
+    assert rich.choose(3, lookup_tokens=5) == 3  # nor past the limit
+
+
+def test_a_lookup_that_is_never_accepted_is_cut_to_what_costs_nothing():
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[0.0] * 8, lookup_observed=8)
+    assert controller.choose(8, lookup_tokens=6) <= 1  # longer verifies cost rows it never repays
+
+
+def test_loss_if_rejected_is_the_cost_models():
+    costs = measured_costs()
+    assert costs.loss_if_rejected(0) == 0.0
+    assert costs.loss_if_rejected(3, lookup=True) == pytest.approx(verify_s(4) - verify_s(1))
+    assert costs.loss_if_rejected(3, 40) == pytest.approx(40 * CATCHUP_TOKEN_S + 3 * DRAFT_S + verify_s(4) - STEP_S)
+    assert costs.loss_if_rejected(3, 2) == pytest.approx(3 * DRAFT_S + verify_s(4) - STEP_S)  # the usual feed
+    assert CostModel().loss_if_rejected(1) is None  # nothing measured: nothing to judge
+    view = costs.lookup_view()
+    costs.observe(loop.StepOutcome(1, 1, 1, 0.0, 0.5, lookup=True))
+    assert view.target_s[2] == costs.target_s[2] and view.step_cost(4) == costs.target_cost(5)
+    assert costs.draft_token_s == DRAFT_S  # a lookup step says nothing about the draft model's c
+
+
+# --------------------------------------------------------------------------- the real loop on tiny bundles
+
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def drafted(self_spec_bundle):
+    """Target + draft (the same weights: the model pays); a private Generator and its plain output."""
+    gen = Generator.from_bundle(self_spec_bundle, threads=1)
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+
+
+@pytest.mark.parametrize("options", [
+    {"draft_tokens": 1}, {"draft_tokens": 2}, {"draft_tokens": 4}, {"draft_tokens": 8},
+    {},  # the default: DefaultK
+    {"mode": "pipelined"}, {"mode": "auto"},
+    {"draft_tokens": 4, "mode": "pipelined"}, {"draft_tokens": 4, "mode": "auto"},
+    {"reply_memory": False},
+])
+def test_greedy_equals_plain_decoding_with_a_draft_model(options, drafted):
+    gen, plain = drafted
+    for _ in range(3):  # later calls draft from earlier replies too, and carry the budget
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        assert result.token_ids == plain
+        stats = result.stats
+        assert stats.drafter == "auto" and stats.accepted <= stats.drafted
+    if options.get("draft_tokens"):
+        assert stats.accepted > 0 and max(int(k) for k in stats.k_chosen) <= options["draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def lookup_only(arch_bundle):
+    """The tiny gpt2 target (no draft model) loops on a few tokens: lookups find long matches."""
+    gen = Generator.from_bundle(arch_bundle("gpt2"), threads=1)
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+
+
+@pytest.mark.parametrize("options", [
+    {"draft_tokens": 1}, {"draft_tokens": 4}, {"draft_tokens": 8}, {}, {"mode": "pipelined"},
+    {"draft_tokens": 4, "mode": "auto"}, {"reply_memory": False},
+])
+def test_without_a_draft_model_the_default_is_the_lookup_and_equals_plain(options, lookup_only):
+    gen, plain = lookup_only
+    assert gen.manifest.speculation.drafter == "auto" and gen.draft is None
+    for _ in range(2):
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        assert result.token_ids == plain and result.stats.drafter == "auto"
+        assert result.stats.catchup_tokens == 0  # no model ever ran
+    assert result.stats.accepted > 0  # the looping reply was drafted from
+
+
+def test_cross_reply_memory_changes_speed_never_tokens(llama_bundle):
+    gen = Generator.from_bundle(llama_bundle, threads=1)
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
+    second = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
+    off = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, reply_memory=False)
+    assert first.token_ids == second.token_ids == off.token_ids == plain
+    assert second.stats.accepted > first.stats.accepted  # drafted from the first reply
+    assert off.stats.accepted == first.stats.accepted  # without memory: as the first call
+
+
+def test_sampled_tokens_keep_the_plain_distribution(sampling_pair):
+    """Lookups (the 16-token vocabulary repeats itself) and the perturbed draft model both propose;
+    the committed tokens' histograms must match plain sampling's."""
+    prompt = [3, 5, 3, 5, 3, 5, 7]
+    sampling_pair.forget_replies()
+    try:
+        plain = token_counts(sampling_pair, prompt, 500, 16, speculation=False)
+        auto = token_counts(sampling_pair, prompt, 500, 16, drafter="auto", draft_tokens=2, adaptive=False)
+        stats = sampling_pair.generate(input_ids=prompt, max_new_tokens=8, temperature=1.0, seed=0, drafter="auto",
+                                       draft_tokens=2, adaptive=False).stats
+        assert stats.drafted > 0
+        assert_same_distribution(plain, auto)
+    finally:
+        sampling_pair.forget_replies()
+
+
+def test_the_registry_and_the_bundle_default():
+    from specedge.bench.configs import parse_config_name
+    from specedge.manifest import SpeculationDefaults
+    from specedge.runtime.options import OPTIONS
+
+    spec = DRAFTERS["auto"]
+    assert SpeculationDefaults().drafter == "auto" and not spec.needs_draft_model and spec.optional_draft_model
+    assert uses_draft_model("auto", True) and not uses_draft_model("auto", False)
+    assert not uses_draft_model("suffix", True) and uses_draft_model("model", True)
+    assert "auto = the default" in OPTIONS["drafter"].help
+    assert parse_config_name("auto-adaptive").drafter == "auto"
+    assert AutoDrafter.name == "auto"
