@@ -16,7 +16,9 @@ Order of work, and why:
    linear drift of the machine is seen equally by all. Speedup is the median of
    each round's paired ratio to that round's baseline. At each new workload the
    Generator forgets what earlier replies taught it (draft acceptance, reply lengths;
-   ``Generator.forget_replies``), so each workload is scored as its own deployment.
+   ``Generator.forget_replies``), so each workload is scored as its own deployment. Each
+   configuration keeps its own cross-reply memory per round, so a reply is drafted only from
+   that configuration's replies to the workload's earlier prompts in the same round.
 5. Every speculative output is compared with the prompt's first baseline output,
    token by token; baseline repeats are compared too (they must be deterministic).
 """
@@ -397,6 +399,8 @@ def _bundle_name(bundle: Path) -> str:
 def run_bench(settings: BenchSettings) -> dict:
     """Run the whole bench; returns the result document (see report.check_schema)."""
     from ..runtime.generator import Generator
+    from ..runtime.suffix import ReplyMemory
+    from ..runtime.suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
 
     started = datetime.now(timezone.utc)
     suite = load_suite(settings.suite_path) if settings.suite_path else load_suite()
@@ -451,16 +455,24 @@ def run_bench(settings: BenchSettings) -> dict:
     bar = Progress(total, title="specedge bench", enabled=settings.progress)
     runs: list[RunRecord] = []
     category = None
+    replies: dict[tuple[str, int], ReplyMemory] = {}
     for w, ids, used_chat in workloads:
         if w.category != category:
             # Each workload is scored as its own deployment: what the Generator learned from
             # another kind of traffic (draft acceptance, reply lengths) would mislead it here.
             gen.forget_replies()
+            replies.clear()
             category = w.category
         step_costs.sample(reps_per_prompt)
         for r in range(settings.repeats):
             order = configs if r % 2 == 0 else list(reversed(configs))
             for config in order:
+                # Cross-reply memory per (configuration, round): a reply is drafted only from the
+                # replies this configuration gave to the workload's earlier prompts in this round,
+                # never from another configuration's identical reply to this prompt, nor from
+                # this prompt's earlier rounds (either would be a replay no caller makes).
+                gen.memory.replies = replies.setdefault((config.name, r), ReplyMemory(DEFAULT_DEPTH,
+                                                                                      DEFAULT_MEMORY_TOKENS))
                 reset_peak_rss()
                 result = gen.generate(input_ids=ids, config=config.generation_config(settings.max_new_tokens,
                                                                                       used_chat))

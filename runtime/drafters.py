@@ -35,8 +35,8 @@ DEFAULT_DRAFTER = "auto"  # what a bundle runs unless its manifest or the call n
 
 DRAFTERS: dict[str, DrafterSpec] = {
     "auto": _entry("auto_drafter", needs_draft_model=False, reads_replies=True, optional_draft_model=True,
-                   help="the default: suffix lookup (with earlier replies) whenever it has a proposal; the "
-                        "draft model, if the bundle has one, only where the cost model predicts a gain; "
+                   help="the default: suffix lookup (with earlier replies) whenever it has a proposal, the "
+                        "draft model (if the bundle has one) only where the cost model predicts a gain, "
                         "else plain steps"),
     "model": _entry("model_drafter", needs_draft_model=True,
                     help="the bundle's draft model proposes (best on free-form text)"),

@@ -11,7 +11,9 @@ A stream holds the lock from its first delta until it is exhausted or closed, an
 releases it on every exit path (a raising callback included).
 
 Reproducibility: greedy output is deterministic. A sampling seed reproduces a run
-for the same draft-length schedule (speculation off, or a fixed ``draft_tokens``);
+for the same draft-length schedule (speculation off, or a fixed ``draft_tokens``) and the
+same proposals (the default and suffix drafters also draft from earlier replies: pass
+``reply_memory=False`` for seeded runs that must repeat);
 adaptive k follows measured step times, so seeded sampled text can differ between
 runs while its distribution stays the target's.
 """

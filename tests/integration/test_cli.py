@@ -100,7 +100,7 @@ def test_info_text(int4_bundle):
     assert f"bundle {int4_bundle}" in out
     assert "target llama fp32: 2 layers, 4 heads (2 kv) x 16, vocab 300, max_context 256" in out
     assert "draft  llama int4" in out
-    assert "speculation: drafter model" in out
+    assert "speculation: drafter auto" in out
     assert "checksums: all files verified" in out
     skipped = _invoke("info", int4_bundle, "--no-verify-checksums")
     assert "checksums: skipped" in skipped.output

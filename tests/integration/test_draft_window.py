@@ -136,8 +136,8 @@ def test_windowed_self_speculation_still_accepts_most_tokens(tmp_path_factory):
     export_bundle(ExportConfig(target=str(target), draft=str(target), out=root / "b", max_context=256, quiet=True))
     g = Generator.from_bundle(root / "b")
     plain = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False).token_ids
-    full = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=4, draft_window=None)
-    windowed = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=4, draft_window=8,
+    full = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=4, draft_window=None)
+    windowed = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=4, draft_window=8,
                          reuse_prefix=False)  # a cold draft: what the window bounds
     assert full.token_ids == plain == windowed.token_ids
     assert full.stats.acceptance == 1.0
@@ -171,7 +171,7 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         # prior acceptance), but a catch-up token costs 1 s.
         flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
         gen.memory.costs["model"] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
-        out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=None, adaptive=True)
+        out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=None, adaptive=True)
         assert out.token_ids == baseline
         assert out.stats.drafted == 0 and out.stats.catchup_tokens == 0
         assert out.stats.catchup_deferred > 0

@@ -137,7 +137,7 @@ def test_self_int4_draft_is_matmulnbits_and_its_bundle_validates(int4_bundle):
     assert manifest.draft.precision == "int4"
     assert manifest.target.precision == "fp32"
     assert manifest.draft.vocab_size == manifest.target.vocab_size
-    assert manifest.speculation.drafter == "model"
+    assert manifest.speculation.drafter == "auto"  # the default: lookups, and the draft model where it pays
 
     def ops(role):
         graph = onnx.load(str(resolve_inside(int4_bundle, manifest.models()[role].graph)), load_external_data=False)

@@ -143,7 +143,7 @@ def test_cache_rewind_bounds():
     ({"top_k": 2.5}, r"top_k must be an integer"),
     ({"max_new_tokens": 0}, r"max_new_tokens must be an integer in \[1, \d+\]; got 0"),
     ({"max_new_tokens": True}, r"max_new_tokens must be an integer"),
-    ({"drafter": "beam"}, r"drafter must be one of none, model, ngram, composite, suffix or None; got 'beam'"),
+    ({"drafter": "beam"}, r"drafter must be one of none, auto, model, ngram, composite, suffix or None; got 'beam'"),
     ({"draft_tokens": -1}, r"draft_tokens must be an integer in \[0, 64\] or None; got -1"),
     ({"seed": -3}, r"seed must be an integer in \[0, \d+\] or None; got -3"),
     ({"p_min": 1.0}, r"p_min must be a number in \[0, 1\); got 1.0"),
@@ -185,7 +185,7 @@ def test_invalid_prompts(kwargs, match, spied):
 
 def test_model_drafter_without_a_draft(llama_bundle, load_generator):
     gen = load_generator(llama_bundle)
-    assert gen.draft is None and gen.manifest.speculation.drafter == "ngram"
+    assert gen.draft is None and gen.manifest.speculation.drafter == "auto"
     for drafter in ("model", "composite"):
         with pytest.raises(InvalidParameterError, match=rf"drafter '{drafter}' needs a draft model, and this "
                                                         r"bundle has none"):

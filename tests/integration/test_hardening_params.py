@@ -85,7 +85,7 @@ INVALID = [
     ({"p_min": "x"}, r"p_min must be a number in \[0, 1\); got 'x'"),
     ({"min_ngram": 3, "max_ngram": 2}, r"n-gram sizes need 1 <= min_ngram <= max_ngram"),
     ({"max_ngram": 10**9}, r"max_ngram must be an integer in \[1, 64\]; got 1000000000"),
-    ({"drafter": "oracle"}, r"drafter must be one of none, model, ngram, composite, suffix or None; got 'oracle'"),
+    ({"drafter": "oracle"}, r"drafter must be one of none, auto, model, ngram, composite, suffix or None; got 'oracle'"),
     ({"mode": "parallel"}, r"mode must be one of sequential, pipelined, auto; got 'parallel'"),
     # issue 20 item 12: truthy strings and non-bools are not bools
     ({"speculation": "no"}, r"speculation must be true or false \(a bool\); got 'no'"),

@@ -104,6 +104,9 @@ class AlwaysWrong:
     def pending_tokens(self, history):
         return 0
 
+    def lookup_tokens(self, history, limit):
+        return 0
+
 
 @pytest.mark.parametrize("mode", ["sequential", "pipelined"])
 def test_every_block_rejected_still_equals_plain(gen, baseline, mode):

@@ -369,5 +369,9 @@ def test_sampled_token_pairs_follow_the_target_softmax(tiny_vocab_pair, load_gen
 def test_sampling_is_reproducible_with_a_seed(tiny_vocab_pair, load_generator):
     gen = load_generator(tiny_vocab_pair[1])
     a = gen.generate(input_ids=E2E_PROMPT, max_new_tokens=12, temperature=0.9, seed=123, draft_tokens=3)
-    b = gen.generate(input_ids=E2E_PROMPT, max_new_tokens=12, temperature=0.9, seed=123, draft_tokens=3)
+    b = gen.generate(input_ids=E2E_PROMPT, max_new_tokens=12, temperature=0.9, seed=123, draft_tokens=3,
+                     reply_memory=False)  # the default drafts from earlier replies too: a seed holds for the same memory
+    gen.forget_replies()
+    a = gen.generate(input_ids=E2E_PROMPT, max_new_tokens=12, temperature=0.9, seed=123, draft_tokens=3,
+                     reply_memory=False)
     assert a.token_ids == b.token_ids

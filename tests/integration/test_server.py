@@ -192,7 +192,7 @@ def test_chat_non_streaming_equals_generate(served, gen):
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
     spec = got.model_extra["specedge"]
-    assert spec["drafter"] == "model" and 0 <= spec["accepted"] <= spec["drafted"]
+    assert spec["drafter"] == "auto" and 0 <= spec["accepted"] <= spec["drafted"]
     assert {"acceptance", "mean_accepted_length", "k_chosen", "tokens_per_s", "time_to_first_token_s"} <= set(spec)
 
 
@@ -207,7 +207,7 @@ def test_chat_streaming_equals_generate(served, gen):
     assert chunks[0].choices[0].delta.role == "assistant"
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
-    assert finishing[0].model_extra["specedge"]["drafter"] == "model"
+    assert finishing[0].model_extra["specedge"]["drafter"] == "auto"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert chunks[-1].usage.prompt_tokens == len(want.prompt_ids)
 
@@ -263,11 +263,14 @@ def test_stop_strings_equal_generate(served, gen, stream):
 
 
 def test_seeded_sampling_equals_generate(served, gen):
-    # A fixed k: adaptive k follows measured step times, and the random stream with it.
+    # A fixed k: adaptive k follows measured step times, and the random stream with it; no reply memory:
+    # the default drafts from earlier replies too, and a seed holds for the same proposals.
     messages = _chat("t60 t61")
-    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, draft_tokens=3)
+    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, draft_tokens=3,
+                        reply_memory=False)
     got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0.9,
-                                                  top_p=0.95, seed=7, extra_body={"specedge": {"draft_tokens": 3}})
+                                                  top_p=0.95, seed=7,
+                                                  extra_body={"specedge": {"draft_tokens": 3, "reply_memory": False}})
     assert got.choices[0].message.content == want.text
     assert set(got.model_extra["specedge"]["k_chosen"]) <= {"3", "2", "1"}  # k shrinks only near max_tokens
 

@@ -73,7 +73,7 @@ def _check_stats(stats, new_tokens: int, *, truncated: bool = False) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_self_speculation_accepts_everything_and_equals_greedy(k, self_spec, baseline):
-    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k)
+    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k)
     assert result.token_ids == baseline.token_ids
     assert result.text == baseline.text
     assert result.finish_reason == "length"
@@ -94,7 +94,7 @@ def test_self_speculation_accepts_everything_and_equals_greedy(k, self_spec, bas
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_different_draft_is_corrected_and_output_equals_greedy(k, other_draft, baseline):
     kind, gen = other_draft
-    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k)
+    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k)
     assert result.token_ids == baseline.token_ids
     stats = result.stats
     assert stats.drafted > 0
@@ -110,7 +110,7 @@ def test_different_draft_is_corrected_and_output_equals_greedy(k, other_draft, b
 def test_verify_while_draft_modes_equal_greedy(mode, k, self_spec, other_draft, baseline):
     """Pipelined steps draft block n+1 while block n verifies; the committed tokens must not change."""
     for gen in (self_spec, other_draft[1]):
-        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k, mode=mode)
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k, mode=mode)
         assert result.token_ids == baseline.token_ids
         _check_stats(result.stats, N_TOKENS)
         if gen is self_spec:
@@ -125,16 +125,16 @@ def test_verify_while_draft_modes_equal_greedy(mode, k, self_spec, other_draft, 
     {"drafter": "ngram"},  # adaptive k
     {"drafter": "composite", "draft_tokens": 3},
     {"drafter": "composite"},
-    {},  # the bundle's defaults: model drafter, adaptive k
+    {},  # the bundle's defaults: the auto drafter (lookups, the model where it pays), DefaultK
     {"adaptive": True, "draft_tokens": 8},
-    {"draft_tokens": 6, "p_min": 0.05},  # the draft stops early when unsure
+    {"drafter": "model", "draft_tokens": 6, "p_min": 0.05},  # the draft stops early when unsure
 ])
 def test_every_drafter_equals_greedy(options, self_spec, baseline):
     for _ in range(2):  # the second call runs with the adaptive profile learned by the first
         result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
         assert result.token_ids == baseline.token_ids
         _check_stats(result.stats, N_TOKENS)
-    assert result.stats.drafter == options.get("drafter", "model")
+    assert result.stats.drafter == options.get("drafter", "auto")
 
 
 def test_ngram_drafter_speculates_on_repetitive_output(arch_bundle, load_generator):
@@ -161,7 +161,7 @@ def test_drafter_none_and_speculation_false_are_plain_decoding(self_spec, baseli
 @pytest.mark.parametrize("n", [2, 5, 13, 22, 31])
 def test_max_new_tokens_inside_a_block(n, self_spec, baseline):
     """k = 8 commits 9 tokens per step; none of these n is 1 + a multiple of 9."""
-    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=n, draft_tokens=8)
+    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=n, drafter="model", draft_tokens=8)
     assert result.token_ids == baseline.token_ids[:n]
     assert result.finish_reason == "length"
     assert result.text == self_spec.codec.decode(baseline.token_ids[:n])
@@ -198,7 +198,7 @@ def test_eos_inside_an_accepted_block_ends_generation_there(k, eos_mid_block, ba
     plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False)
     assert plain.token_ids == expected and plain.finish_reason == "stop"
 
-    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k)
+    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k)
     assert result.token_ids == expected
     assert result.token_ids[-1] == eos
     assert result.finish_reason == "stop"
@@ -208,7 +208,7 @@ def test_eos_inside_an_accepted_block_ends_generation_there(k, eos_mid_block, ba
     # still accepted every token it counts.
     assert stats.accepted == stats.drafted, "tokens drafted past EOS must not be counted"
     _check_stats(stats, pos + 1, truncated=True)
-    streamed = gen.stream(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k)
+    streamed = gen.stream(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k)
     assert "".join(streamed) == result.text
     assert streamed.result.token_ids == expected
 
@@ -229,7 +229,7 @@ def test_stop_string_inside_a_block_truncates_text_and_tokens(k, span, self_spec
     expected_text = full_text[:cut]
 
     plain = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, stop=[stop])
-    spec = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k, stop=[stop])
+    spec = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k, stop=[stop])
     for result in (plain, spec):
         assert result.text == expected_text
         assert stop not in result.text
@@ -240,20 +240,20 @@ def test_stop_string_inside_a_block_truncates_text_and_tokens(k, span, self_spec
         assert result.stats.new_tokens == n
     assert spec.token_ids == plain.token_ids
 
-    deltas = list(self_spec.stream(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=k, stop=[stop]))
+    deltas = list(self_spec.stream(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=k, stop=[stop]))
     assert "".join(deltas) == expected_text
 
 
 def test_stop_string_inside_a_block_is_not_counted_in_stats(self_spec, baseline):
     _, pos = _first_new_token_at(baseline.token_ids, 4, 8)
-    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=8,
+    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=8,
                                 stop=[word(baseline.token_ids[pos])])
     assert len(result.token_ids) == pos + 1
     _check_stats(result.stats, pos + 1, truncated=True)
 
 
 def test_stop_string_never_seen_changes_nothing(self_spec, baseline):
-    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, stop=["zzz"])
+    result = self_spec.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="model", draft_tokens=4, stop=["zzz"])
     assert result.token_ids == baseline.token_ids and result.finish_reason == "length"
 
 
