@@ -1,0 +1,105 @@
+"""The default policy (drafter ``auto`` + controller ``DefaultK``) on exported tiny bundles: same tokens.
+
+Guards: greedy output equals plain decoding at every k and mode, with and without a draft
+model, with and without cross-reply memory (which changes speed, never tokens); sampling
+keeps the target's distribution (chi-square); the bundle default is ``auto``, lookup-only on
+a bundle without a draft model. The budget itself: tests/unit/test_default_policy.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPT_IDS
+from distribution import assert_same_distribution, token_counts
+from specedge.runtime.drafters import DRAFTERS, AutoDrafter, uses_draft_model
+from specedge.runtime.generator import Generator
+
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def drafted(self_spec_bundle):
+    """Target + draft (the same weights: the model pays); a private Generator and its plain output."""
+    gen = Generator.from_bundle(self_spec_bundle, threads=1)
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+
+
+@pytest.mark.parametrize("options", [
+    {"draft_tokens": 1}, {"draft_tokens": 2}, {"draft_tokens": 4}, {"draft_tokens": 8},
+    {},  # the default: DefaultK
+    {"mode": "pipelined"}, {"mode": "auto"},
+    {"draft_tokens": 4, "mode": "pipelined"}, {"draft_tokens": 4, "mode": "auto"},
+    {"reply_memory": False},
+])
+def test_greedy_equals_plain_decoding_with_a_draft_model(options, drafted):
+    gen, plain = drafted
+    for _ in range(3):  # later calls draft from earlier replies too, and carry the budget
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        assert result.token_ids == plain
+        stats = result.stats
+        assert stats.drafter == "auto" and stats.accepted <= stats.drafted
+    if options.get("draft_tokens"):
+        assert stats.accepted > 0 and max(int(k) for k in stats.k_chosen) <= options["draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def lookup_only(arch_bundle):
+    """The tiny gpt2 target (no draft model) loops on a few tokens: lookups find long matches."""
+    gen = Generator.from_bundle(arch_bundle("gpt2"), threads=1)
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+
+
+@pytest.mark.parametrize("options", [
+    {"draft_tokens": 1}, {"draft_tokens": 4}, {"draft_tokens": 8}, {}, {"mode": "pipelined"},
+    {"draft_tokens": 4, "mode": "auto"}, {"reply_memory": False},
+])
+def test_without_a_draft_model_the_default_is_the_lookup_and_equals_plain(options, lookup_only):
+    gen, plain = lookup_only
+    assert gen.manifest.speculation.drafter == "auto" and gen.draft is None
+    for _ in range(2):
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        assert result.token_ids == plain and result.stats.drafter == "auto"
+        assert result.stats.catchup_tokens == 0  # no model ever ran
+    assert result.stats.accepted > 0  # the looping reply was drafted from
+
+
+def test_cross_reply_memory_changes_speed_never_tokens(llama_bundle):
+    gen = Generator.from_bundle(llama_bundle, threads=1)
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
+    second = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
+    off = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, reply_memory=False)
+    assert first.token_ids == second.token_ids == off.token_ids == plain
+    assert second.stats.accepted > first.stats.accepted  # drafted from the first reply
+    assert off.stats.accepted == first.stats.accepted  # without memory: as the first call
+
+
+def test_sampled_tokens_keep_the_plain_distribution(sampling_pair):
+    """Lookups (the 16-token vocabulary repeats itself) and the perturbed draft model both propose;
+    the committed tokens' histograms must match plain sampling's."""
+    prompt = [3, 5, 3, 5, 3, 5, 7]
+    sampling_pair.forget_replies()
+    try:
+        plain = token_counts(sampling_pair, prompt, 500, 16, speculation=False)
+        auto = token_counts(sampling_pair, prompt, 500, 16, drafter="auto", draft_tokens=2, adaptive=False)
+        stats = sampling_pair.generate(input_ids=prompt, max_new_tokens=8, temperature=1.0, seed=0, drafter="auto",
+                                       draft_tokens=2, adaptive=False).stats
+        assert stats.drafted > 0
+        assert_same_distribution(plain, auto)
+    finally:
+        sampling_pair.forget_replies()
+
+
+def test_the_registry_and_the_bundle_default():
+    from specedge.bench.configs import parse_config_name
+    from specedge.manifest import SpeculationDefaults
+    from specedge.runtime.options import OPTIONS
+
+    spec = DRAFTERS["auto"]
+    assert SpeculationDefaults().drafter == "auto" and not spec.needs_draft_model and spec.optional_draft_model
+    assert uses_draft_model("auto", True) and not uses_draft_model("auto", False)
+    assert not uses_draft_model("suffix", True) and uses_draft_model("model", True)
+    assert "auto = the default" in OPTIONS["drafter"].help
+    assert parse_config_name("auto-adaptive").drafter == "auto"
+    assert AutoDrafter.name == "auto"
