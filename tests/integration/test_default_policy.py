@@ -3,7 +3,7 @@
 Guards: greedy output equals plain decoding at every k and mode, with and without a draft
 model, with and without cross-reply memory (which changes speed, never tokens); sampling
 keeps the target's distribution (chi-square); the bundle default is ``auto``, lookup-only on
-a bundle without a draft model. The budget itself: tests/unit/test_default_policy.py.
+a bundle without a draft model. The budget itself: tests/unit/test_default_budget.py.
 """
 
 from __future__ import annotations
