@@ -306,7 +306,7 @@ def build_genai_model(hf_dir: Path, precision: str, log) -> Path:
     return out
 
 
-def _set_genai_threads(model_dir: Path, threads: int) -> None:
+def set_genai_threads(model_dir: Path, threads: int) -> None:
     """intra_op_num_threads in genai_config.json's decoder session_options (0 = ORT default)."""
     path = model_dir / "genai_config.json"
     cfg = json.loads(path.read_text())
@@ -329,7 +329,7 @@ def _genai_default_threads_copy(model_dir: Path) -> Path:
         if item.name != "genai_config.json":
             (out / item.name).symlink_to(item.resolve())
     shutil.copyfile(model_dir / "genai_config.json", out / "genai_config.json")
-    _set_genai_threads(out, 0)
+    set_genai_threads(out, 0)
     return out
 
 
@@ -351,7 +351,7 @@ def setup_genai(ctx: "PeerContext", log) -> PeerSession:
     configs: dict[str, tuple[str, dict | None]] = {}
     for precision in precisions:
         model_dir = build_genai_model(hf_dir, precision, log)
-        _set_genai_threads(model_dir, ctx.threads)
+        set_genai_threads(model_dir, ctx.threads)
         models[precision] = og.Model(str(model_dir))
         configs[f"genai-{precision}"] = (precision, None)
         params = og.GeneratorParams(models[precision])

@@ -271,3 +271,110 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
         report = run_conversation(generators, talk, max_new_tokens=max_new_tokens,
                                   speculation=not no_speculation, progress=lambda *_: bar.update(1))
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report))
+
+
+def _graph_options(values: tuple[str, ...]) -> dict[str, Path]:
+    """``LABEL=PATH`` pairs (or bare paths, labelled by folder name) -> {label: path}, in order."""
+    from ..errors import InvalidParameterError
+
+    graphs: dict[str, Path] = {}
+    for value in values:
+        label, sep, path = value.partition("=")
+        if not sep:
+            label, path = Path(value).name, value
+        if not label or label in graphs:
+            raise InvalidParameterError(f"--graph {value!r}: labels must be non-empty and distinct")
+        graphs[label] = Path(path).expanduser()
+    return graphs
+
+
+@bench.command("profile")
+@click.option("--graph", "graph_specs", multiple=True, required=True,
+              help="LABEL=PATH of a specedge bundle (its target) or a GenAI model folder; repeat to compare.")
+@click.option("--threads", default="2,1", show_default=True, help="Intra-op thread counts, comma separated.")
+@click.option("--context", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Cached positions for the step and verify scenarios.")
+@click.option("--prefill", default="512", show_default=True, help="Prefill lengths, comma separated.")
+@click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Profiled runs per step/verify scenario per round (after 3 warm-up runs).")
+@click.option("--prefill-reps", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Profiled runs per prefill per round.")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Fresh sessions per graph and thread count, in alternating graph order.")
+@click.option("--no-spinning", is_flag=True, help="Turn off intra-op spinning in every session.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Write <out>.md (the tables and the command) and <out>.json.")
+def profile_command(graph_specs, threads, context, prefill, reps, prefill_reps, rounds, no_spinning, out) -> None:
+    """Per-op-type ONNX Runtime profiles: 1- and 2-token steps, a 5-token verify and prefills, side by side.
+
+    Every graph runs the same shapes at the same thread counts with the node profiler on;
+    the tables give ms and share per op type, the session's time per run, and each graph's
+    memory floor (streamed weight bytes over the measured copy bandwidth).
+    """
+    from ..bench.opprofile import profile, render
+    from ..errors import InvalidParameterError
+
+    try:
+        thread_counts = tuple(int(t) for t in _csv(threads) or ())
+        prefills = tuple(int(n) for n in _csv(prefill) or ())
+    except ValueError:
+        raise InvalidParameterError("--threads and --prefill take integers, comma separated") from None
+    doc = profile(_graph_options(graph_specs), threads=thread_counts, context=context, prefill=prefills, reps=reps,
+                  prefill_reps=prefill_reps, rounds=rounds, allow_spinning=not no_spinning,
+                  progress=lambda msg: click.echo(msg, err=True))
+    command = shlex.join(["specedge", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "specedge bench profile"
+    doc["command"] = command
+    text = render(doc)
+    if out is not None:
+        import json
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        Path(f"{out}.md").write_text(f"```\n{command}\n```\n\n{text}\n", encoding="utf-8")
+        click.echo(f"results: {out}.md and {out}.json", err=True)
+    click.echo(text)
+
+
+@bench.command("prefill")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--lengths", default="128,512,2048", show_default=True, help="Prompt lengths, comma separated.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Threads for every runtime.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds, runtimes interleaved; cells are medians.")
+@click.option("--peers", default="genai,llamacpp", show_default=True,
+              help="Comma list of genai, llamacpp (skipped with a note when not installed); empty: ours only.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Write <out>.md (the table and the command) and <out>.json.")
+def prefill_command(bundle, lengths, threads, repeats, peers, out) -> None:
+    """Prefill tokens/s at several prompt lengths: specedge vs onnxruntime-genai and llama.cpp, side by side.
+
+    For voice agents, time to first token is prefill. Every runtime reads the same prompt
+    into an empty cache and computes its last position's logits.
+    """
+    import json
+
+    from ..bench.opprofile import machine
+    from ..bench.prefill import render, run_prefill
+    from ..bench.progress import Progress
+    from ..errors import InvalidParameterError
+
+    try:
+        sizes = tuple(int(n) for n in _csv(lengths) or ())
+    except ValueError:
+        raise InvalidParameterError("--lengths takes integers, comma separated") from None
+    log = Progress(repeats, title="prefill")
+    doc = run_prefill(bundle, sizes, threads, repeats, _csv(peers) or (), log)
+    doc["machine"] = machine()
+    command = shlex.join(["specedge", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "specedge bench prefill"
+    doc["command"] = command
+    text = render(doc)
+    m = doc["machine"]
+    header = (f"CPU: {m['cpu']} ({m['cores']} cores, {', '.join(m['isa'])}), {threads} thread(s), onnxruntime "
+              f"{m['onnxruntime']}, load average {', '.join(f'{x:.2f}' for x in m['load_avg'])} at the end")
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        Path(f"{out}.md").write_text(f"```\n{command}\n```\n\n{header}\n\n{text}\n", encoding="utf-8")
+        click.echo(f"results: {out}.md and {out}.json", err=True)
+    click.echo(f"{header}\n\n{text}")

@@ -315,7 +315,25 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
     s = manifest.speculation
     click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
                f"adaptive {s.adaptive}")
+    click.echo("  tuning: " + _tuning_line(manifest.extra))
     click.echo("  checksums: " + ("skipped" if no_verify_checksums else "all files verified"))
+
+
+def _tuning_line(extra: dict) -> str:
+    """Where the bundle's step costs were measured, and whether they apply on this machine."""
+    from ..runtime import profile as cost_profile
+
+    recorded = extra.get(cost_profile.PROFILE_KEY)
+    if not recorded:
+        return "not tuned (`specedge tune BUNDLE` measures this machine's step costs)"
+    taken = recorded["machine"]
+    threads = taken.get("threads", 0)
+    here = cost_profile.machine_fingerprint(threads)
+    where = f"{taken.get('cpu', '?')}, {taken.get('cores', '?')} cores, threads={threads}"
+    if taken == here:
+        return f"step costs measured on this machine ({where})"
+    return (f"tuned elsewhere ({where}); this machine is {here['cpu']}, {here['cores']} cores: the recorded "
+            "step costs are ignored here and re-measured at warm-up (`specedge tune BUNDLE` records them)")
 
 
 # ----------------------------------------------------------------------------- demo

@@ -38,6 +38,9 @@ class EngineOptions:
     # Each ORT run spins its worker threads afterwards to catch the next call; with two
     # sessions on a 2-core box that spinning steals the other session's cores.
     allow_spinning: bool = True
+    # ONNX Runtime's per-node profiler writes <prefix>_<date>.json (bench/opprofile.py reads it);
+    # None: off (it times every node, which costs a little on every run).
+    profile_prefix: str | None = None
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:

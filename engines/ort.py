@@ -88,6 +88,9 @@ class OrtEngine:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if options.optimized_model_path:
             so.optimized_model_filepath = options.optimized_model_path
+        if options.profile_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = options.profile_prefix
         providers = session_providers(options.provider, provider_options, cuda_options)
         try:
             self.session = ort.InferenceSession(str(graph_path), so, providers=providers)

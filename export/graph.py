@@ -251,19 +251,34 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
                 outputs.append(helper.make_tensor_value_info(new % i, kv_type,
                                                              ["new_tokens", s.n_kv_heads, s.head_dim]))
 
-    ids = b.one("Reshape", [io.input_ids, b.ints("shape_flat", [-1])])  # [n]
     pos = b.one("Reshape", [io.positions, b.ints("shape_flat2", [-1])])  # [n]
     embed = b.weight("embed", w["embed"])
-    x = b.one("Gather", [embed, ids], axis=0)  # [n, hidden]
+    # The fused GQA graph keeps activations [1, n, hidden] end to end, the shape GroupQueryAttention
+    # and SkipSimplifiedLayerNormalization take: no Reshape around every attention call.
+    ids = io.input_ids if gqa else b.one("Reshape", [io.input_ids, b.ints("shape_flat", [-1])])  # [1, n] / [n]
+    x = b.one("Gather", [embed, ids], axis=0)  # [1, n, hidden] (gqa) / [n, hidden]
     if s.embed_scale != 1.0:
         # In the graph's dtype, as transformers scales in the weights' dtype (Gemma's normalizer).
         x = b.one("Mul", [x, b.scalar("embed_scale", s.embed_scale)])
     if s.max_positions:
         x = b.one("Add", [x, b.one("Gather", [b.weight("pos_embed", w["pos_embed"]), pos], axis=0)])
     attend = _GqaAttention(b, s, pos, max_context) if gqa else _StandardAttention(b, s, pos)
+    # Contrib ops (com.microsoft) are in the gqa graph's opset already: its residual adds fuse
+    # into the next RMSNorm (SkipSimplifiedLayerNormalization), which ORT's optimizer does not do
+    # for a sum that is also the next residual.
+    fuse = _Fusion(skip_norm=gqa and s.norm == "rms" and b.dtype == np.float32)
+    pending = None  # the last block's output, not yet added to the residual stream
     for i in range(s.n_layers):
-        x = _layer(b, s, w, i, x, attend)
-    return _finish(b, s, w, untie_lm_head, inputs, outputs, (x, embed))
+        x, pending = _layer(b, s, w, i, x, pending, attend, fuse)
+    x, normed = _add_norm(b, s, w, x, pending, "norm", fuse)
+    return _finish(b, s, w, untie_lm_head, inputs, outputs, (normed, embed), seq_axis=1 if gqa else 0)
+
+
+@dataclass(frozen=True)
+class _Fusion:
+    """Which contrib-op fusions the graph writes itself (only graphs that already use com.microsoft ops)."""
+
+    skip_norm: bool = False  # residual Add + RMSNorm -> SkipSimplifiedLayerNormalization
 
 
 def _used_tables(s: DecoderSpec) -> list[int]:
@@ -446,8 +461,16 @@ class _GqaAttention:
                                         b.ints(b.name("ax1r"), [1])])
                     for name, fn in ((cos_name, np.cos), (sin_name, np.sin)))
 
+    def takes_packed(self, w: dict[str, np.ndarray], i: int) -> bool:
+        """Whether layer ``i`` can hand GQA the fused q|k|v projection as is (no q/k norm, rope in the op)."""
+        return not self.s.qk_norm and self.s.rope(i) not in self.outside
+
+    def packed(self, i: int, qkv: str) -> str:
+        """qkv [1, n, (H + 2 kvh) hd] -> attention output [1, n, H*hd]; GQA splits and rotates internally."""
+        return self._attend(i, qkv, "", "")
+
     def __call__(self, w: dict[str, np.ndarray], i: int, q: str, k: str, v: str) -> str:
-        """q [n, H*hd], k/v [n, kvh*hd] (projected) -> attention output [n, H*hd]; writes present_key/value.i."""
+        """q [1, n, H*hd], k/v [1, n, kvh*hd] (projected) -> attention output [1, n, H*hd]; writes present_key/value.i."""
         b, s = self.b, self.s
         h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
         table = s.rope(i)
@@ -458,8 +481,15 @@ class _GqaAttention:
             if outside:
                 rd = s.tables()[table].rotary_dim
                 q, k = _rotate(b, q, *outside, rd, hd), _rotate(b, k, *outside, rd, hd)
-        q, k, v = (b.one("Reshape", [t, b.ints(b.name("bnd"), [1, -1, width])])
-                   for t, width in ((q, h * hd), (k, kvh * hd), (v, kvh * hd)))  # [1, n, *]
+            q, k, v = (b.one("Reshape", [t, b.ints(b.name("bnd"), [1, -1, width])])
+                       for t, width in ((q, h * hd), (k, kvh * hd), (v, kvh * hd)))  # [1, n, *]
+        return self._attend(i, q, k, v)
+
+    def _attend(self, i: int, q: str, k: str, v: str) -> str:
+        """GroupQueryAttention on [1, n, *] inputs (k = v = "": q is the packed q|k|v)."""
+        b, s = self.b, self.s
+        h, kvh = s.n_heads, s.n_kv_heads
+        table = s.rope(i)
         # ORT's local_window_size is the number of keys a query sees, its own included: transformers'
         # window W exactly (W - 1 failed validation at the first step past the window).
         # A window that covers the whole cache is no window.
@@ -477,31 +507,59 @@ class _GqaAttention:
                       n_out=1, domain="com.microsoft", num_heads=h, kv_num_heads=kvh, scale=s.attn_scale, **attrs)[0]
         # GQA's 2nd/3rd outputs are the shared cache buffers; name them as graph outputs.
         b.nodes[-1].output.extend([b.io.present_key % i, b.io.present_value % i])
-        return b.one("Reshape", [attn, b.ints(b.name("a_flat"), [-1, h * hd])])  # [n, H*hd]
+        return attn  # [1, n, H*hd]
 
 
-def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, attend) -> str:
-    """One decoder layer: x [n, hidden] -> [n, hidden]. Norms present in ``w`` are applied (see DecoderSpec)."""
+def _layer(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], i: int, x: str, pending: str | None, attend,
+           fuse: _Fusion) -> tuple[str, str]:
+    """One decoder layer: the residual stream x [n, hidden] (gqa: [1, n, hidden]) plus ``pending``, the
+    previous layer's block output not yet added to it (None before layer 0) -> (stream, this layer's
+    pending output). Deferring the add lets it fuse into the next norm. Norms present in ``w`` are
+    applied (see DecoderSpec)."""
     p = f"layers.{i}"
     h, kvh, hd = s.n_heads, s.n_kv_heads, s.head_dim
-    normed = _maybe_norm(b, s, w, x, f"{p}.attn_norm")
+    x, normed = _add_norm(b, s, w, x, pending, f"{p}.attn_norm", fuse)
     qkv = _linear(b, normed, w, f"{p}.qkv")  # fused q|k|v: one GEMM instead of three
-    q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3, axis=-1)
-    if s.qk_norm == "full":  # OLMo 2: over the whole projection, before the heads are split
-        q = _maybe_norm(b, s, w, q, f"{p}.q_norm")
-        k = _maybe_norm(b, s, w, k, f"{p}.k_norm")
-    attn = _maybe_norm(b, s, w, _linear(b, attend(w, i, q, k, v), w, f"{p}.o"), f"{p}.attn_post_norm")
+    if isinstance(attend, _GqaAttention) and attend.takes_packed(w, i):
+        attended = attend.packed(i, qkv)  # GroupQueryAttention splits q|k|v itself: no Split node
+    else:
+        q, k, v = b.node("Split", [qkv, b.ints(b.name("qkv_split"), [h * hd, kvh * hd, kvh * hd])], n_out=3,
+                         axis=-1)
+        if s.qk_norm == "full":  # OLMo 2: over the whole projection, before the heads are split
+            q = _maybe_norm(b, s, w, q, f"{p}.q_norm")
+            k = _maybe_norm(b, s, w, k, f"{p}.k_norm")
+        attended = attend(w, i, q, k, v)
+    attn = _maybe_norm(b, s, w, _linear(b, attended, w, f"{p}.o"), f"{p}.attn_post_norm")
     if s.parallel_residual:
         mlp = _mlp(b, s, w, p, _maybe_norm(b, s, w, x, f"{p}.mlp_norm"))
-        return _residual(b, s, x, b.one("Add", [attn, mlp]))
-    x = _residual(b, s, x, attn)
-    return _residual(b, s, x, _mlp(b, s, w, p, _maybe_norm(b, s, w, x, f"{p}.mlp_norm")))
+        return x, _scaled(b, s, b.one("Add", [attn, mlp]))
+    x, normed = _add_norm(b, s, w, x, _scaled(b, s, attn), f"{p}.mlp_norm", fuse)
+    return x, _scaled(b, s, _mlp(b, s, w, p, normed))
 
 
-def _residual(b: _Builder, s: DecoderSpec, x: str, branch: str) -> str:
+def _scaled(b: _Builder, s: DecoderSpec, branch: str) -> str:
+    """A block's output as it joins the residual stream (Granite's residual_multiplier)."""
     if s.residual_scale != 1.0:
         branch = b.one("Mul", [branch, b.scalar(b.name("residual_scale"), s.residual_scale)])
-    return b.one("Add", [x, branch])
+    return branch
+
+
+def _add_norm(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], x: str, branch: str | None, key: str,
+              fuse: _Fusion) -> tuple[str, str]:
+    """(x + branch, norm ``key`` of that sum); branch None adds nothing, a norm absent from ``w`` is the identity.
+
+    With ``fuse.skip_norm`` an RMSNorm with a [hidden] weight takes the add with it: one
+    SkipSimplifiedLayerNormalization whose 4th output is the sum (the residual stream).
+    """
+    weight = w.get(key)
+    if branch is not None and fuse.skip_norm and weight is not None and weight.ndim == 1:
+        out = b.node("SkipSimplifiedLayerNormalization", [x, branch, b.weight(f"{key}.norm_w", weight)], n_out=4,
+                     domain="com.microsoft", epsilon=s.norm_eps)
+        b.nodes[-1].output[1] = b.nodes[-1].output[2] = ""  # mean and inv_std_var: not needed
+        return out[3], out[0]
+    if branch is not None:
+        x = b.one("Add", [x, branch])
+    return x, _maybe_norm(b, s, w, x, key)
 
 
 def _mlp(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], p: str, normed: str) -> str:
@@ -525,14 +583,20 @@ def _heads(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], norm_key: str,
 
 
 def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool, inputs: list,
-            outputs: list, hidden_and_embed: tuple[str, str]) -> onnx.GraphProto:
-    """Final norm, keep the last num_logits positions, output layer, logit scaling and soft-capping."""
-    x, embed = hidden_and_embed
-    x = _norm(b, s, w, x, "norm")
+            outputs: list, normed_and_embed: tuple[str, str], seq_axis: int = 0) -> onnx.GraphProto:
+    """Keep the last num_logits positions of the final-normed hidden states, output layer, logit scaling
+    and soft-capping. ``seq_axis``: 0 for [n, hidden] activations, 1 for [1, n, hidden]."""
+    x, embed = normed_and_embed
     keep = b.one("Neg", [b.io.num_logits])
-    x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]), b.ints("ax0s", [0])])  # [m, hidden]
+    x = b.one("Slice", [x, keep, b.ints("int_max", [np.iinfo(np.int64).max]),
+                        b.ints("ax0s", [seq_axis])])  # [m, hidden] / [1, m, hidden]
+    batched = seq_axis == 1  # MatMul keeps the leading 1: logits come out [1, m, vocab], no Unsqueeze
     if s.tied_embeddings and not untie_lm_head:
         # Gemm with transB reads the [vocab, hidden] embedding directly: the bundle holds it once.
+        # Gemm is 2-D only: a [1, m, hidden] input is flattened first.
+        if batched:
+            x = b.one("Reshape", [x, b.ints("rows_flat", [-1, s.hidden_size])])
+            batched = False
         logits = b.one("Gemm", [x, embed], transB=1)
     else:
         lm_head = w["lm_head"] if "lm_head" in w else w["embed"].T
@@ -543,7 +607,10 @@ def _finish(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head
         logits = b.one("Mul", [logits, b.const("logit_scale", np.array(s.logit_scale, np.float32))])
     if s.final_softcap:
         logits = _softcap(b, logits, s.final_softcap)
-    b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], [b.io.logits], name="logits_out"))
+    if batched:
+        b.nodes[-1].output[0] = b.io.logits  # the last node made the logits; nothing else reads its output
+    else:
+        b.nodes.append(helper.make_node("Unsqueeze", [logits, b.ints("ax0l", [0])], [b.io.logits], name="logits_out"))
     return helper.make_graph(b.nodes, "specedge_decoder", inputs, outputs, b.inits)
 
 
