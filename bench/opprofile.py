@@ -94,8 +94,8 @@ class _Ours:
 
     kind = "specedge"
 
-    def __init__(self, label: str, bundle: Path, threads: int, capacity: int, prefix: str, role: str = "target",
-                 allow_spinning: bool = True) -> None:
+    def __init__(self, label: str, bundle: Path, threads: int, capacity: int, prefix: str | None,
+                 role: str = "target", allow_spinning: bool = True) -> None:
         from ..engines import EngineOptions, create_engine
         from ..manifest import load_manifest
 
@@ -123,7 +123,7 @@ class _Genai:
 
     kind = "genai"
 
-    def __init__(self, label: str, folder: Path, threads: int, capacity: int, prefix: str,
+    def __init__(self, label: str, folder: Path, threads: int, capacity: int, prefix: str | None,
                  allow_spinning: bool = True) -> None:
         import onnxruntime as ort
 
@@ -138,8 +138,9 @@ class _Genai:
         so.log_severity_level = 3
         if not allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.enable_profiling = True
-        so.profile_file_prefix = prefix
+        if prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = prefix
         self.session = ort.InferenceSession(str(self.graph_path), so, providers=["CPUExecutionProvider"])
         names = decoder["inputs"]
         outs = decoder["outputs"]
@@ -177,9 +178,9 @@ class _Genai:
         return Path(self.session.end_profiling())
 
 
-def open_graph(label: str, path: Path, threads: int, capacity: int, prefix: str,
+def open_graph(label: str, path: Path, threads: int, capacity: int, prefix: str | None,
                allow_spinning: bool = True) -> ProfiledGraph:
-    """A profiled session on the bundle or GenAI folder at ``path``."""
+    """A session on the bundle or GenAI folder at ``path``, profiled into ``prefix`` (None: not profiled)."""
     if graph_kind(path) == "specedge":
         return _Ours(label, path, threads, capacity, prefix, allow_spinning=allow_spinning)
     return _Genai(label, path, threads, capacity, prefix, allow_spinning=allow_spinning)
@@ -353,6 +354,58 @@ def profile(graphs: dict[str, Path], *, threads: tuple[int, ...] = (2, 1), conte
     for (t, name, label), (runs, walls) in raw.items():
         doc["profiles"].setdefault(str(t), {}).setdefault(name, {})[label] = _summarise(runs, walls).to_json()
     return doc
+
+
+def paired(graphs: dict[str, Path], *, threads: int, context: int = 256, reps: int = 30,
+           capacity: int = 2048) -> dict:
+    """Step, 2-row step and verify timings with every graph's session open at once, runs alternated.
+
+    A shared machine's load drifts over seconds; the per-op profile runs each graph in its own
+    block, so its cross-graph ratios carry that drift. Here every repetition runs each scenario on
+    every graph back to back (the order rotating), with intra-op spinning off so one session's
+    idle workers do not steal the next one's cores, and the ratio to the last graph is taken per
+    repetition: the medians of those paired ratios are what load drift leaves alone.
+    Returns {scenario: {label: {"median_ms", "ratio_to_last"}}}.
+    """
+    shapes = scenarios(context, ())
+    sessions = {label: open_graph(label, path, threads, capacity, None, allow_spinning=False)
+                for label, path in graphs.items()}
+    labels = list(sessions)
+    rng = np.random.default_rng(0)
+    vocab = min(_vocab_size(path) for path in graphs.values())
+    ids = {sc.name: rng.integers(0, vocab, size=sc.new, dtype=np.int64) for sc in shapes}
+    times = {(sc.name, label): [] for sc in shapes for label in labels}
+    for rep in range(WARMUP_RUNS + reps):
+        for sc in shapes:
+            shift = rep % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                t0 = time.perf_counter()
+                sessions[label].run(sc, ids[sc.name])
+                if rep >= WARMUP_RUNS:
+                    times[(sc.name, label)].append(time.perf_counter() - t0)
+    out: dict = {}
+    base = labels[-1]
+    for sc in shapes:
+        for label in labels:
+            ts = times[(sc.name, label)]
+            ratios = [a / b for a, b in zip(ts, times[(sc.name, base)])]
+            out.setdefault(sc.name, {})[label] = {"median_ms": round(statistics.median(ts) * 1e3, 3),
+                                                  "ratio_to_last": round(statistics.median(ratios), 3)}
+    return out
+
+
+def render_paired(result: dict, threads: int, reps: int) -> str:
+    """Markdown: median ms per scenario and graph, and the median paired ratio to the last graph."""
+    labels = list(next(iter(result.values())))
+    lines = [f"**paired timing, {threads} thread(s), spinning off** (medians of {reps} alternated repetitions; "
+             f"ratio: median of per-repetition ratios to {labels[-1]})", "",
+             "| scenario | " + " | ".join(f"{lb} ms" for lb in labels) + " | "
+             + " | ".join(f"{lb} / {labels[-1]}" for lb in labels[:-1]) + " |",
+             "|---|" + "---|" * (2 * len(labels) - 1)]
+    for name, cells in result.items():
+        lines.append(f"| {name} | " + " | ".join(f"{cells[lb]['median_ms']:.2f}" for lb in labels) + " | "
+                     + " | ".join(f"{cells[lb]['ratio_to_last']:.2f}x" for lb in labels[:-1]) + " |")
+    return "\n".join(lines)
 
 
 def _vocab_size(path: Path) -> int:

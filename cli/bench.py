@@ -302,9 +302,12 @@ def _graph_options(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Fresh sessions per graph and thread count, in alternating graph order.")
 @click.option("--no-spinning", is_flag=True, help="Turn off intra-op spinning in every session.")
+@click.option("--paired-reps", type=click.IntRange(min=0), default=30, show_default=True,
+              help="Then time step/verify with all sessions open, runs alternated (robust to load drift); 0: skip.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Write <out>.md (the tables and the command) and <out>.json.")
-def profile_command(graph_specs, threads, context, prefill, reps, prefill_reps, rounds, no_spinning, out) -> None:
+def profile_command(graph_specs, threads, context, prefill, reps, prefill_reps, rounds, no_spinning, paired_reps,
+                    out) -> None:
     """Per-op-type ONNX Runtime profiles: 1- and 2-token steps, a 5-token verify and prefills, side by side.
 
     Every graph runs the same shapes at the same thread counts with the node profiler on;
@@ -325,6 +328,14 @@ def profile_command(graph_specs, threads, context, prefill, reps, prefill_reps, 
     command = shlex.join(["specedge", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "specedge bench profile"
     doc["command"] = command
     text = render(doc)
+    if paired_reps:
+        from ..bench.opprofile import paired, render_paired
+
+        doc["paired"] = {}
+        for t in thread_counts:
+            click.echo(f"paired timing, threads {t}", err=True)
+            doc["paired"][str(t)] = paired(_graph_options(graph_specs), threads=t, context=context, reps=paired_reps)
+            text += "\n\n" + render_paired(doc["paired"][str(t)], t, paired_reps)
     if out is not None:
         import json
 
