@@ -117,3 +117,26 @@ def test_fused_gqa_graph_structure_and_profile(tiny_model, export, tmp_path):
     step = doc["profiles"]["1"]["step1"]["ours"]
     assert step["runs"] == 2 and "GroupQueryAttention" in step["op_ms"] and step["model_run_ms"] > 0
     assert doc["graphs"]["ours"]["streamed_weight_mb"] > 0
+
+
+def test_info_says_where_step_costs_were_measured(llama_bundle, bundle_copy):
+    import json
+
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+    from specedge.runtime.profile import machine_fingerprint
+
+    bundle = bundle_copy(llama_bundle)
+    path = bundle / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.setdefault("extra", {}).pop("cost_profile", None)
+    path.write_text(json.dumps(doc))
+    assert "tuning: not tuned" in CliRunner().invoke(main, ["info", str(bundle)]).output
+    for machine, expected in ((machine_fingerprint(2), "step costs measured on this machine"),
+                              ({"cpu": "Some Other CPU 9000", "cores": 64, "threads": 2},
+                               "tuned elsewhere (Some Other CPU 9000, 64 cores, threads=2)")):
+        doc["extra"]["cost_profile"] = {"machine": machine, "target_s": {"1": 0.01, "2": 0.012}}
+        path.write_text(json.dumps(doc))
+        result = CliRunner().invoke(main, ["info", str(bundle)])
+        assert result.exit_code == 0 and expected in result.output
