@@ -275,9 +275,9 @@ def machine() -> dict:
     """The CPU as the cost profile records it, the load average, and the ORT version."""
     import onnxruntime as ort
 
-    from ..runtime.profile import machine_fingerprint
+    from ..bundle_extra import MachineFingerprint
 
-    info = machine_fingerprint(0)
+    info = MachineFingerprint.here(0).to_dict()
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -319,20 +319,19 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
     click.echo("  checksums: " + ("skipped" if no_verify_checksums else "all files verified"))
 
 
-def _tuning_line(extra: dict) -> str:
-    """Where the bundle's step costs were measured, and whether they apply on this machine."""
-    from ..runtime import profile as cost_profile
+def _tuning_line(extra) -> str:
+    """Where the bundle's step costs were measured (``extra`` a ManifestExtra), and whether they apply here."""
+    from ..bundle_extra import MachineFingerprint
 
-    recorded = extra.get(cost_profile.PROFILE_KEY)
-    if not recorded:
+    recorded = extra.cost_profile
+    if recorded is None:
         return "not tuned (`specedge tune BUNDLE` measures this machine's step costs)"
-    taken = recorded["machine"]
-    threads = taken.get("threads", 0)
-    here = cost_profile.machine_fingerprint(threads)
-    where = f"{taken.get('cpu', '?')}, {taken.get('cores', '?')} cores, threads={threads}"
+    taken = recorded.machine
+    here = MachineFingerprint.here(taken.threads)
+    where = f"{taken.cpu}, {taken.cores} cores, threads={taken.threads}"
     if taken == here:
         return f"step costs measured on this machine ({where})"
-    return (f"tuned elsewhere ({where}); this machine is {here['cpu']}, {here['cores']} cores: the recorded "
+    return (f"tuned elsewhere ({where}); this machine is {here.cpu}, {here.cores} cores: the recorded "
             "step costs are ignored here and re-measured at warm-up (`specedge tune BUNDLE` records them)")
 
 

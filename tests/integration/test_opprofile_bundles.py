@@ -71,7 +71,7 @@ def test_info_says_where_step_costs_were_measured(llama_bundle, bundle_copy):
     from click.testing import CliRunner
 
     from specedge.cli.main import main
-    from specedge.runtime.profile import machine_fingerprint
+    from specedge.bundle_extra import MachineFingerprint
 
     bundle = bundle_copy(llama_bundle)
     path = bundle / "manifest.json"
@@ -79,7 +79,7 @@ def test_info_says_where_step_costs_were_measured(llama_bundle, bundle_copy):
     doc.setdefault("extra", {}).pop("cost_profile", None)
     path.write_text(json.dumps(doc))
     assert "tuning: not tuned" in CliRunner().invoke(main, ["info", str(bundle)]).output
-    for machine, expected in ((machine_fingerprint(2), "step costs measured on this machine"),
+    for machine, expected in ((MachineFingerprint.here(2).to_dict(), "step costs measured on this machine"),
                               ({"cpu": "Some Other CPU 9000", "cores": 64, "threads": 2},
                                "tuned elsewhere (Some Other CPU 9000, 64 cores, threads=2)")):
         doc["extra"]["cost_profile"] = {"machine": machine, "target_s": {"1": 0.01, "2": 0.012}}
