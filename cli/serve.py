@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from ..engines.base import PROVIDERS
-from ..server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S,
-                             MAX_SHUTDOWN_GRACE_S)
+from ..server.limits import (DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE,
+                             DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -37,7 +37,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               show_default=True,
               help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
               "Queued and new requests get 503 at once.")
-@click.option("--cache-slots", type=click.IntRange(1, 256), default=4, show_default=True,
+@click.option("--cache-slots", type=click.IntRange(1, 256), default=DEFAULT_CACHE_SLOTS, show_default=True,
               help="Conversations whose KV caches are kept between requests; a request continuing one prefills "
               "only its new tokens (least recently used evicted first).")
 @click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,

@@ -180,6 +180,28 @@ def test_prefill_ahead_leaves_only_the_tail_to_compute(llama_bundle, fresh):
                                                           speculation=False).token_ids
 
 
+def test_slot_memory_is_priced_from_the_manifest_and_reported_per_slot(int4_bundle, fresh):
+    """`specedge info` prices a slot from the manifest alone; that price is what a slot allocates,
+    and describe() (/health) reports each slot's used and allocated bytes."""
+    from specedge.runtime.slots import SlotCost
+
+    gen = fresh(int4_bundle, cache_slots=3)
+    cost = SlotCost.of(gen.manifest)
+    assert cost.bytes == gen.slots.slots[0].nbytes() == cost.target_bytes + cost.draft_bytes > cost.target_bytes
+    out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=5, drafter="model", draft_tokens=2, adaptive=False)
+    state = gen.slots.describe()
+    assert state["slot_bytes"] == cost.bytes and state["max_bytes"] == 3 * cost.bytes
+    assert state["bytes"] == cost.bytes  # one slot allocated so far, however many are allowed
+    [slot] = state["per_slot"]
+    held = len(PROMPT_IDS) + len(out.token_ids)
+    assert slot["held_tokens"] == slot["target_positions"] <= held
+    per_position = cost.target_bytes // gen.max_context
+    draft_per_position = cost.draft_bytes // gen.max_context
+    assert slot["used_bytes"] == slot["target_positions"] * per_position + slot["draft_positions"] * draft_per_position
+    assert 0 < slot["used_bytes"] < slot["allocated_bytes"] == cost.bytes
+    assert SlotCost.of(gen.manifest, with_draft=False).bytes == cost.target_bytes
+
+
 def test_cache_limits_are_checked(llama_bundle):
     from specedge.errors import InvalidParameterError
     from specedge.runtime.generator import Generator
