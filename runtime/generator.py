@@ -426,12 +426,12 @@ class Generator:
             if reuse < len(ids):
                 target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
             if name is not None and needs_draft_model(name) and slot.draft_kv is not None:
-                keep = min(common_prefix(slot.draft_prefix, ids), slot.draft_kv.length, len(ids))
+                keep = min(common_prefix(slot.draft_prefix.contiguous(), ids), slot.draft_kv.length, len(ids))
                 slot.draft_kv.rewind(slot.draft_kv.length - keep)
                 if keep < len(ids):
                     self.draft.forward(np.asarray(ids[keep:], np.int64), slot.draft_kv, 1)
                 drafted = len(ids) - keep
-                slot.draft_prefix[:] = ids
+                slot.draft_prefix.set(ids)
         except BaseException:
             slot.drop()
             raise
@@ -464,7 +464,7 @@ class Generator:
                                      allow_special_tokens=config.allow_special_tokens)
         with self._exclusive():
             slot, _, _ = self._prefill(ids, config)
-            draft_tokens = slot.draft_prefix[:slot.draft_kv.length] if slot.draft_kv is not None else []
+            draft_tokens = slot.draft_prefix.contiguous()[:slot.draft_kv.length] if slot.draft_kv is not None else []
             size = prompt_cache.save(path, self._prompt_cache_key(config.exact), ids, slot.target_kv,
                                      draft_tokens, slot.draft_kv)
         return {"path": str(path), "tokens": len(ids), "draft_tokens": len(draft_tokens), "bytes": size}
@@ -489,7 +489,7 @@ class Generator:
                     self.target.adopt(slot.target_kv, np.asarray(loaded.tokens, np.int64))
                 if loaded.draft_tokens and slot.draft_kv is not None:
                     loaded.fill("draft", slot.draft_kv)
-                    slot.draft_prefix[:] = loaded.draft_tokens
+                    slot.draft_prefix.set(loaded.draft_tokens)
             except BaseException:
                 slot.drop()
                 raise

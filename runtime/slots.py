@@ -74,19 +74,46 @@ def used_nbytes(kv: KVCache) -> int:
 
 
 @dataclass
+class DraftPrefix:
+    """What a slot's draft cache holds across calls, kept up to date by the model drafter.
+
+    ``tokens[p]``: the token id at draft cache position p. A bridged catch-up (the draft window,
+    runtime/model_drafter.py) leaves a gap: positions p < ``head`` hold history[p], positions
+    p >= head hold history[p + ``skipped``] (skipped = 0: no gap). Keeping the gap with the tokens
+    lets the next turn continue a bridged cache instead of bridging again, so the draft's catch-up is
+    paid once per conversation, not once per turn.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    head: int = 0
+    skipped: int = 0
+
+    def set(self, tokens: Sequence[int], head: int = 0, skipped: int = 0) -> None:
+        self.tokens[:] = tokens
+        self.head, self.skipped = (head, skipped) if skipped else (0, 0)
+
+    def clear(self) -> None:
+        self.set([])
+
+    def contiguous(self) -> list[int]:
+        """The held tokens at their true positions (those before any gap)."""
+        return list(self.tokens[:self.head] if self.skipped else self.tokens)
+
+
+@dataclass
 class CacheSlot:
     """One conversation's caches and what they hold.
 
     ``tokens``: the token id at each position of ``target_kv`` (len == target_kv.length once a
-    call has ended). ``draft_prefix``: the draft cache's committed prefix, kept up to date by
-    the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
+    call has ended). ``draft_prefix``: what the draft cache holds (:class:`DraftPrefix`), kept up
+    to date by the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
     written with batch-invariant steps (None: empty).
     """
 
     target_kv: KVCache
     draft_kv: KVCache | None
     tokens: list[int] = field(default_factory=list)
-    draft_prefix: list[int] = field(default_factory=list)
+    draft_prefix: DraftPrefix = field(default_factory=DraftPrefix)
     exact: bool | None = None
     last_used: int = 0
 

@@ -62,6 +62,39 @@ def test_later_turns_reuse_the_prefix_and_reply_as_a_cold_start(attention, specu
         assert warm[2].stats.catchup_tokens < cold[2].stats.catchup_tokens
 
 
+def test_a_bridged_draft_cache_is_continued_not_bridged_again(int4_bundle, fresh):
+    """With a draft window shorter than the history, turn 1 bridges the draft's catch-up (sink +
+    recent tokens); later turns continue that cache through its gap and read only what is new."""
+    options = dict(drafter="model", draft_tokens=3, adaptive=False, draft_window=16)
+    gen = fresh(int4_bundle)
+    warm = _conversation(gen, **options)
+    cold = _conversation(fresh(int4_bundle), reuse_prefix=False, **options)
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    held = gen.slots.slots[0].draft_prefix
+    assert held.skipped > 0 and held.head == 4  # the gap of turn 1 is still there, 4 sink tokens before it
+    for turn in (1, 2):
+        # The user turn, and the reply's last tokens the draft had not read (at most the final block: k + 1).
+        new = len(TURNS[turn]) + 3 + 1
+        assert warm[turn].stats.catchup_tokens <= new < cold[turn].stats.catchup_tokens == 16, turn
+
+
+def test_prefill_ahead_fills_the_draft_too(int4_bundle, fresh):
+    """Generator.prefill also feeds the draft model (whole, past the draft window: it runs before the
+    turn ends), so the request's draft reads only the tail and sees the whole conversation."""
+    options = dict(drafter="model", draft_tokens=3, adaptive=False, draft_window=16)
+    gen = fresh(int4_bundle)
+    known = SYSTEM + TURNS[0]
+    report = gen.prefill(input_ids=known, **options)
+    assert report["draft_computed_tokens"] == len(known)
+    assert gen.prefill(input_ids=known, **options)["draft_computed_tokens"] == 0
+    assert gen.prefill(input_ids=known, speculation=False)["draft_computed_tokens"] == 0
+    out = gen.generate(input_ids=known + [5, 6], max_new_tokens=8, **options)
+    assert out.stats.catchup_tokens <= 3  # the 2 new tokens and the first target token, never the window
+    assert out.token_ids == fresh(int4_bundle).generate(input_ids=known + [5, 6], max_new_tokens=8,
+                                                         reuse_prefix=False, **options).token_ids
+    assert gen.slots.slots[0].draft_prefix.skipped == 0  # no gap: the draft read everything
+
+
 def test_int4_reuse_is_exact_too(int4_bundle, fresh):
     options = dict(drafter="model", draft_tokens=4, adaptive=False)
     assert [r.token_ids for r in _conversation(fresh(int4_bundle), **options)] == \
