@@ -65,6 +65,8 @@ class TurnRecord:
     new_tokens: int
     tokens_per_s: float
     acceptance: float
+    catchup_tokens: int = 0  # history the draft model read before its first draft (0: none or no draft)
+    drafted: int = 0  # draft tokens verified this turn (0: speculation stayed off)
     peer: bool = False  # a peer's row: reused_tokens unknown (0), not part of the identity check
     same_reply: bool | None = None  # a peer's row: its reply equals ours token for token
 
@@ -136,7 +138,7 @@ def run_conversation(generators: dict, conversation: Conversation, *, max_new_to
             s = out.stats
             report.records.append(TurnRecord(config, turn, s.prompt_tokens, s.reused_tokens,
                                              s.time_to_first_token_s, s.total_s, s.new_tokens, s.tokens_per_s,
-                                             s.acceptance))
+                                             s.acceptance, s.catchup_tokens, s.drafted))
             replies[config] = out.token_ids
             histories[config] = messages + [{"role": "assistant", "content": out.text}]
             if progress is not None:
