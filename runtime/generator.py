@@ -35,6 +35,7 @@ from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
 from . import loop
 from . import prompt_cache
+from .profile import save as save_profile
 from .controller import AdaptiveK, Controller, FixedK
 from .drafters import DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies
 from .loading import LoadedBundle, load_bundle
