@@ -56,6 +56,11 @@ class ContextOverflowError(SpecedgeError, ValueError):
     """The prompt (plus the tokens it must generate) does not fit in max_context."""
 
 
+class PromptCacheError(SpecedgeError):
+    """A persisted prompt cache cannot be used: missing, truncated or corrupt, or saved for
+    another bundle or setting (the message names the mismatching field)."""
+
+
 class ExportError(SpecedgeError):
     """Export could not read the source model or write the bundle."""
 

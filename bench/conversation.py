@@ -14,6 +14,11 @@ Configurations:
 
 Configurations run interleaved turn by turn on separate Generators (one per configuration,
 same bundle), so machine noise hits each alike; greedy replies must be identical across them.
+
+The peer (``peer``, a :class:`PeerProcess` of ``llamacpp-conversation``, bench/peers.py): llama.cpp
+on the bundle's GGUF, given each turn's prompt token ids (the ``reuse`` history, so the same
+turns), cold and with its server's prompt cache (the longest common prefix kept); its rows sit
+next to ours, turn by turn. Its replies are its own: they are not appended to the history.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidParameterError
+from ..runtime.divergence import first_divergence
 
 CONVERSATION_PATH = Path(__file__).with_name("prompts") / "conversation.json"
 CONFIGS = ("cold", "reuse", "reuse+prefill")
@@ -59,6 +65,10 @@ class TurnRecord:
     new_tokens: int
     tokens_per_s: float
     acceptance: float
+    catchup_tokens: int = 0  # history the draft model read before its first draft (0: none or no draft)
+    drafted: int = 0  # draft tokens verified this turn (0: speculation stayed off)
+    peer: bool = False  # a peer's row: reused_tokens unknown (0), not part of the identity check
+    same_reply: bool | None = None  # a peer's row: its reply equals ours token for token
 
 
 @dataclass
@@ -77,7 +87,7 @@ class ConversationReport:
                 "ttft_later_p95_s": _p95(later),
                 "turn_p50_s": statistics.median(r.turn_s for r in rows),
                 "decode_tok_s_p50": statistics.median(r.tokens_per_s for r in rows),
-                "reused_tokens": sum(r.reused_tokens for r in rows),
+                "reused_tokens": None if rows[0].peer else sum(r.reused_tokens for r in rows),
                 "prompt_tokens": sum(r.prompt_tokens for r in rows),
             }
         cold = out.get("cold", {}).get("ttft_later_p50_s")
@@ -87,8 +97,16 @@ class ConversationReport:
         return out
 
     def to_json(self) -> dict:
-        return {"identical": self.identical, "summary": self.summary(),
+        return {"identical": self.identical, "summary": self.summary(), "ttft_by_turn": self.ttft_by_turn(),
                 "turns": [r.__dict__ for r in self.records]}
+
+    def ttft_by_turn(self) -> list[dict]:
+        """Per turn: prompt tokens and each configuration's (and peer's) time to first token, seconds."""
+        out: dict[int, dict] = {}
+        for r in self.records:
+            row = out.setdefault(r.turn, {"turn": r.turn, "prompt_tokens": r.prompt_tokens, "ttft_s": {}})
+            row["ttft_s"][r.config] = r.ttft_s
+        return [out[t] for t in sorted(out)]
 
 
 def _p95(values: list[float]) -> float | None:
@@ -99,8 +117,9 @@ def _p95(values: list[float]) -> float | None:
 
 
 def run_conversation(generators: dict, conversation: Conversation, *, max_new_tokens: int = 48,
-                     speculation: bool = True, progress=None) -> ConversationReport:
-    """Replay ``conversation`` on each configuration's Generator (``{config: Generator}``)."""
+                     speculation: bool = True, progress=None, peer=None) -> ConversationReport:
+    """Replay ``conversation`` on each configuration's Generator (``{config: Generator}``), and on
+    ``peer`` (``peer.configs``, ``peer.generate(job, config, n) -> PeerRun``) when given."""
     unknown = set(generators) - set(CONFIGS)
     if unknown:
         raise InvalidParameterError(f"unknown conversation configuration(s) {sorted(unknown)}; known: "
@@ -119,13 +138,35 @@ def run_conversation(generators: dict, conversation: Conversation, *, max_new_to
             s = out.stats
             report.records.append(TurnRecord(config, turn, s.prompt_tokens, s.reused_tokens,
                                              s.time_to_first_token_s, s.total_s, s.new_tokens, s.tokens_per_s,
-                                             s.acceptance))
+                                             s.acceptance, s.catchup_tokens, s.drafted))
             replies[config] = out.token_ids
             histories[config] = messages + [{"role": "assistant", "content": out.text}]
             if progress is not None:
                 progress(config, turn)
         report.identical &= len({tuple(r) for r in replies.values()}) == 1
+        if peer is not None:
+            _peer_turn(peer, generators, histories, turn, text, max_new_tokens, replies, report, progress)
     return report
+
+
+def _peer_turn(peer, generators: dict, histories: dict, turn: int, text: str, max_new_tokens: int, replies: dict,
+               report: ConversationReport, progress) -> None:
+    """Run this turn's prompt (the reuse history's token ids) on each of the peer's configurations."""
+    from .peers import Job
+
+    config = "reuse" if "reuse" in generators else next(iter(generators))
+    messages = histories[config][:-1]  # the history up to and including this turn's user message
+    ids = generators[config].encode_prompt(messages=messages)
+    ours = replies[config]
+    job = Job(f"turn{turn}", "conversation", ids, max_new_tokens, ours)
+    for name in peer.configs:
+        run = peer.generate(job, name, max_new_tokens)
+        report.records.append(TurnRecord(name, turn, len(ids), 0, run.ttft_s,
+                                         run.token_times_s[-1] if run.token_times_s else 0.0, len(run.tokens),
+                                         run.tokens_per_s, 0.0, peer=True,
+                                         same_reply=first_divergence(ours, run.tokens) is None))
+        if progress is not None:
+            progress(name, turn)
 
 
 def format_report(report: ConversationReport) -> str:
@@ -136,7 +177,21 @@ def format_report(report: ConversationReport) -> str:
         lines.append(f"| {config} | {row['ttft_first_s'] * 1e3:.0f} ms | "
                      f"{(row['ttft_later_p50_s'] or 0) * 1e3:.0f} / {(row['ttft_later_p95_s'] or 0) * 1e3:.0f} ms | "
                      f"{'' if ratio is None else f'{ratio:.2f}x'} | {row['turn_p50_s'] * 1e3:.0f} ms | "
-                     f"{row['decode_tok_s_p50']:.1f} | {row['reused_tokens']} / {row['prompt_tokens']} |")
+                     f"{row['decode_tok_s_p50']:.1f} | "
+                     f"{'?' if row['reused_tokens'] is None else row['reused_tokens']} / {row['prompt_tokens']} |")
+    by_turn = report.ttft_by_turn()
+    if by_turn:
+        configs = list(by_turn[0]["ttft_s"])
+        lines += ["", "TTFT per turn (ms):", "",
+                  "| turn | prompt tokens | " + " | ".join(configs) + " |", "|---" * (len(configs) + 2) + "|"]
+        for row in by_turn:
+            cells = [f"{row['ttft_s'][c] * 1e3:.0f}" if c in row["ttft_s"] else "" for c in configs]
+            lines.append(f"| {row['turn'] + 1} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
+    peers = [r for r in report.records if r.peer]
+    if peers:
+        same = sum(bool(r.same_reply) for r in peers)
+        lines += ["", f"peer replies equal to ours: {same} of {len(peers)} (a peer's text may differ: its own "
+                  "weights and kernels)"]
     lines.append("")
     lines.append("greedy replies identical across configurations: " + ("yes" if report.identical else "NO"))
     return "\n".join(lines)

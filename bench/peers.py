@@ -398,23 +398,52 @@ def setup_genai(ctx: "PeerContext", log) -> PeerSession:
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
+def _llamacpp_common(ctx: "PeerContext", log):
+    """(llama_cpp module, Llama class, GGUF path, Llama kwargs, threads) for the bundle's target GGUF."""
     try:
         import llama_cpp
         from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise PeerSkipped("llama-cpp-python is not installed (pip install llama-cpp-python; it compiles "
                           f"llama.cpp, minutes). {LLAMACPP_AMX_NOTE}") from None
-    opts = ctx.peer_options
-    path = gguf_file(opts.get("gguf"), ctx.manifest.target.source)
+    path = gguf_file(ctx.peer_options.get("gguf"), ctx.manifest.target.source)
     if path is None:
         raise PeerSkipped(f"no GGUF file found for the target ({ctx.manifest.target.source}); pass --gguf")
     threads = _threads(ctx)
-    k = opts.get("lookup_tokens") or ctx.manifest.speculation.max_draft_tokens
     common = dict(model_path=str(path), n_ctx=ctx.manifest.target.max_context, n_threads=threads, n_threads_batch=threads,
                   verbose=False, seed=0)
     log.note(f"peer llamacpp: loading {path.name}")
+    return llama_cpp, Llama, path, common, threads
+
+
+def _llamacpp_generate(llm, job: Job, config: str, n: int, eos: set[int]) -> PeerRun:
+    """Greedy tokens of ``job.prompt_ids`` with their arrival times. ``generate(reset=True)`` (its
+    default) keeps the longest prefix of the tokens the context already holds and evaluates only the
+    rest: a caller that wants a cold start calls ``llm.reset()`` first."""
+    tokens: list[int] = []
+    times: list[float] = []
+    t0 = time.perf_counter()
+    for token in llm.generate(job.prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                              reset=True):
+        times.append(time.perf_counter() - t0)
+        tokens.append(int(token))
+        if token in eos or token == llm.token_eos() or len(tokens) >= n:
+            break
+    return PeerRun(job.workload, job.category, config, 0, tokens, times)
+
+
+def _llamacpp_info(llama_cpp, path: Path, threads: int, **extra) -> dict:
+    system = llama_cpp.llama_print_system_info()
+    system = system.decode(errors="replace") if isinstance(system, bytes) else str(system)
+    return {"gguf": str(path), "threads": threads, **extra, "llama_cpp_python": llama_cpp.__version__,
+            "build": system.strip()}
+
+
+def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
+    llama_cpp, Llama, path, common, threads = _llamacpp_common(ctx, log)
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    k = ctx.peer_options.get("lookup_tokens") or ctx.manifest.speculation.max_draft_tokens
     engines = {"llamacpp-plain": Llama(**common),
                "llamacpp-prompt-lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
     # llama-cpp-python's own default when n_threads is not given: half the logical CPUs.
@@ -427,28 +456,45 @@ def setup_llamacpp(ctx: "PeerContext", log) -> PeerSession:
     def generate(job: Job, config: str, n: int) -> PeerRun:
         llm = engines[config]
         llm.reset()
-        tokens: list[int] = []
-        times: list[float] = []
-        t0 = time.perf_counter()
-        for token in llm.generate(job.prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                  reset=True):
-            times.append(time.perf_counter() - t0)
-            tokens.append(int(token))
-            if token in eos or token == llm.token_eos() or len(tokens) >= n:
-                break
-        return PeerRun(job.workload, job.category, config, 0, tokens, times)
+        return _llamacpp_generate(llm, job, config, n, eos)
 
-    system = llama_cpp.llama_print_system_info()
-    system = system.decode(errors="replace") if isinstance(system, bytes) else str(system)
-    info = {"gguf": str(path), "threads": threads, "default_threads": own_threads, "num_pred_tokens": k,
-            "configs": list(engines),
-            "llama_cpp_python": llama_cpp.__version__, "build": system.strip()}
+    info = _llamacpp_info(llama_cpp, path, threads, default_threads=own_threads, num_pred_tokens=k,
+                          configs=list(engines))
     notes = [f"llama.cpp runs the GGUF's own quantized weights ({path.name}); its text may differ from a "
              "bundle exported at another precision", LLAMACPP_AMX_NOTE]
     return PeerSession(list(engines), generate, info, notes)
 
 
-SETUPS = {"hf": setup_hf, "genai": setup_genai, "llamacpp": setup_llamacpp}
+LLAMACPP_CONVERSATION_CONFIGS = ("llamacpp-cold", "llamacpp-cache-prompt")
+
+
+def setup_llamacpp_conversation(ctx: "PeerContext", log) -> PeerSession:
+    """llama.cpp for the conversation bench (bench/conversation.py), turn by turn on one context.
+
+    ``llamacpp-cache-prompt``: the context is kept across turns and each turn's generate() reuses the
+    longest common token prefix with what it holds, evaluating only the rest: llama.cpp's server
+    ``cache_prompt`` (on by default there), one slot. ``llamacpp-cold``: the context is reset
+    before every turn. Plain greedy decoding in both (llama.cpp's server does not speculate by default).
+    """
+    llama_cpp, Llama, path, common, threads = _llamacpp_common(ctx, log)
+    engines = {name: Llama(**common) for name in LLAMACPP_CONVERSATION_CONFIGS}
+    eos = set(ctx.manifest.target.eos_token_ids)
+
+    def generate(job: Job, config: str, n: int) -> PeerRun:
+        llm = engines[config]
+        if config == "llamacpp-cold":
+            llm.reset()
+        return _llamacpp_generate(llm, job, config, n, eos)
+
+    info = _llamacpp_info(llama_cpp, path, threads, configs=list(engines))
+    notes = [f"llama.cpp runs the GGUF's own quantized weights ({path.name}): its replies may differ from ours; "
+             "each turn's prompt holds our reply, so where llama.cpp's reply differed it re-reads ours"]
+    return PeerSession(list(engines), generate, info, notes)
+
+
+# "llamacpp-conversation" is the conversation bench's peer (bench/conversation.py), not a `bench run --peers` choice.
+SETUPS = {"hf": setup_hf, "genai": setup_genai, "llamacpp": setup_llamacpp,
+          "llamacpp-conversation": setup_llamacpp_conversation}
 
 
 # ----------------------------------------------------------------------------- worker process
@@ -497,6 +543,11 @@ class PeerProcess:
         name = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
         how = f"killed by {name}" if name else f"exited with status {code}"
         return PeerCrashed(f"peer {self.peer} {how}", name, code, tail)
+
+    @property
+    def configs(self) -> list[str]:
+        """The configurations the loaded peer offers (empty when it was skipped or failed to load)."""
+        return list(self.ready.get("configs", []))
 
     def generate(self, job: Job, config: str, n: int) -> PeerRun:
         reply = self._call({"job": _job_json(job), "config": config, "n": n})
@@ -637,7 +688,7 @@ def run_peers(settings: "BenchSettings", gen, workloads, our_runs, best: dict, l
     ctx_args = {"bundle": str(settings.bundle), "threads": settings.threads, "peer_options": settings.peer_options}
     results: dict = {}
     for peer in settings.peers:
-        if peer not in SETUPS:
+        if peer not in PEERS:
             results[peer] = {"skipped": f"unknown peer {peer!r}; known: {', '.join(PEERS)}"}
             continue
         log.note(f"peer {peer}: starting its worker process")

@@ -240,9 +240,14 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
               help="Reply length per turn (tokens; a voice reply is 20-60).")
 @click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding in every configuration.")
+@click.option("--llamacpp/--no-llamacpp", default=True, show_default=True,
+              help="Also run llama.cpp (llama-cpp-python, in its own process) on the bundle's GGUF, cold and with "
+              "its server's prompt cache, on the same turns; skipped with a note when it is not installed.")
+@click.option("--gguf", type=click.Path(path_type=Path), default=None,
+              help="The GGUF file for the llama.cpp peer (default: the one the bundle was exported from).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-turn records and summary as JSON.")
 def conversation(bundle, configs, conversation_file, turns, max_new_tokens, threads, no_speculation,
-                 as_json) -> None:
+                 llamacpp, gguf, as_json) -> None:
     """A voice-agent call turn by turn: time to first token with and without conversation cache reuse.
 
     Replays bench/prompts/conversation.json (a long system prompt, ten user turns; each reply is
@@ -267,10 +272,46 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
     for name in names:
         generators[name] = Generator.from_bundle(bundle, threads=threads)
         generators[name].warmup(tune=False)
-    with click.progressbar(length=len(names) * len(talk.turns), label="conversation", file=sys.stderr) as bar:
-        report = run_conversation(generators, talk, max_new_tokens=max_new_tokens,
-                                  speculation=not no_speculation, progress=lambda *_: bar.update(1))
-    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="specedge-conversation-peer-") as tmp:
+        peer = _conversation_peer(generators, talk, bundle, threads, gguf, Path(tmp)) if llamacpp else None
+        try:
+            columns = len(names) + (len(peer.configs) if peer is not None else 0)
+            with click.progressbar(length=columns * len(talk.turns), label="conversation", file=sys.stderr) as bar:
+                report = run_conversation(generators, talk, max_new_tokens=max_new_tokens,
+                                          speculation=not no_speculation, progress=lambda *_: bar.update(1),
+                                          peer=peer)
+        finally:
+            if peer is not None:
+                peer.close()
+    if as_json:
+        doc = report.to_json()
+        doc["peer"] = None if peer is None else {"info": peer.ready["info"], "notes": peer.ready["notes"]}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(format_report(report))
+        for note in peer.ready["notes"] if peer is not None else ():
+            click.echo(f"note: {note}")
+
+
+def _conversation_peer(generators: dict, talk, bundle: Path, threads: int, gguf: Path | None, tmp: Path):
+    """The llama.cpp conversation peer in its worker process, or None (the reason on stderr)."""
+    from ..bench.peers import Job, PeerProcess
+
+    gen = next(iter(generators.values()))
+    first = gen.encode_prompt(messages=[{"role": "system", "content": talk.system},
+                                        {"role": "user", "content": talk.turns[0]}])
+    # A warm-up prompt that shares no prefix with the call, so the prompt cache starts empty-handed.
+    warmup = Job("warmup", "conversation", first[::-1][:16], 8, [])
+    ctx = {"bundle": str(bundle), "threads": threads, "peer_options": {"gguf": str(gguf) if gguf else None}}
+    peer = PeerProcess("llamacpp-conversation", ctx, warmup, tmp / "stderr.txt")
+    if not peer.configs:
+        click.echo(f"llama.cpp peer: {peer.ready.get('skipped') or peer.ready.get('error')}; running without it",
+                   err=True)
+        peer.close()
+        return None
+    return peer
 
 
 def _graph_options(values: tuple[str, ...]) -> dict[str, Path]:

@@ -20,6 +20,7 @@ from ..bundle_extra import ROUTES
 from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
 from ..manifest import ATTENTIONS, PRECISIONS
 from .options import config_from, generation_options
+from ..server.limits import DEFAULT_CACHE_SLOTS
 
 if TYPE_CHECKING:
     from ..bundle_extra import CostProfile
@@ -288,15 +289,21 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
 # ----------------------------------------------------------------------------- info
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON (plus 'conversation_cache').")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks.")
-def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
-    """Validate a bundle and describe its models, tokenizer and speculation defaults."""
+@click.option("--cache-slots", type=click.IntRange(1, 256), default=DEFAULT_CACHE_SLOTS, show_default=True,
+              help="Conversation slots to price (as `specedge serve --cache-slots`).")
+def info(bundle: Path, as_json: bool, no_verify_checksums: bool, cache_slots: int) -> None:
+    """Validate a bundle and describe its models, tokenizer, speculation defaults and what a
+    conversation cache slot costs."""
     from ..manifest import load_manifest
+    from ..runtime.slots import SlotCost
 
     manifest = load_manifest(bundle, verify_checksums=not no_verify_checksums)
+    cost = SlotCost.of(manifest)
     if as_json:
         described = manifest.to_json()
+        described["conversation_cache"] = cost.to_dict(cache_slots)
         if manifest.format_notes:
             described["format_notes"] = list(manifest.format_notes)
         click.echo(json.dumps(described, indent=2))
@@ -316,7 +323,15 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool) -> None:
     click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
                f"adaptive {s.adaptive}")
     click.echo("  tuning: " + _tuning_line(manifest.extra))
+    draft = f" + draft {_mb(cost.draft_bytes)}" if cost.draft_bytes else ""
+    click.echo(f"  conversation cache: {_mb(cost.bytes)} per slot (target {_mb(cost.target_bytes)}{draft} at "
+               f"max_context {cost.max_context}); {cache_slots} slot{'s' * (cache_slots != 1)} "
+               f"{_mb(cache_slots * cost.bytes)} (serve --cache-slots/--cache-memory)")
     click.echo("  checksums: " + ("skipped" if no_verify_checksums else "all files verified"))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def _tuning_line(extra) -> str:

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from ..engines.base import PROVIDERS
-from ..server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S,
-                             MAX_SHUTDOWN_GRACE_S)
+from ..server.limits import (DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE,
+                             DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -37,17 +37,24 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               show_default=True,
               help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
               "Queued and new requests get 503 at once.")
-@click.option("--cache-slots", type=click.IntRange(1, 256), default=4, show_default=True,
+@click.option("--cache-slots", type=click.IntRange(1, 256), default=DEFAULT_CACHE_SLOTS, show_default=True,
               help="Conversations whose KV caches are kept between requests; a request continuing one prefills "
               "only its new tokens (least recently used evicted first).")
 @click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
               help="MB the conversation caches may take (default: --cache-slots alone decides).")
+@click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="File holding the K/V of a fixed prefix (--system-prompt): loaded at start when it exists "
+              "(refused if saved for another bundle or setting), else computed and written, so a restart does "
+              "not prefill the system prompt again.")
+@click.option("--system-prompt", default=None,
+              help="The fixed system prompt --prompt-cache holds ('@FILE' reads it from FILE). Needed to create "
+              "the cache; when given with an existing cache, the cache must hold exactly this prompt.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
           max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
           no_verify_checksums: bool, shutdown_grace: float, cache_slots: int, cache_memory: float | None,
-          log_level: str) -> None:
+          prompt_cache: Path | None, system_prompt: str | None, log_level: str) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
 
     \b
@@ -64,6 +71,8 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                                    "pip install 'specedge[serve]'") from None
     from ..runtime.generator import Generator
 
+    if system_prompt is not None and prompt_cache is None:
+        raise click.BadParameter("is only used with --prompt-cache", param_hint="--system-prompt")
     if api_key is not None and not api_key:
         raise click.BadParameter("must not be empty", param_hint="--api-key")
     if host not in LOOPBACK and api_key is None:
@@ -81,7 +90,45 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                                       verify_checksums=not no_verify_checksums, load_draft=not no_speculation,
                                       cache_slots=cache_slots,
                                       cache_memory=None if cache_memory is None else int(cache_memory * 1e6))
+    if prompt_cache is not None:
+        server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt)))
     app = create_app(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name, speculation=not no_speculation, warmup=not no_warmup)
     SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),
                    grace_s=shutdown_grace).run()
+
+
+def _read_system_prompt(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {value[1:]}: {exc}", param_hint="--system-prompt") from None
+
+
+def warm_prompt_cache(generator, path: Path, system_prompt: str | None) -> str:
+    """Load ``path`` into a conversation slot, or compute and write it from ``system_prompt``.
+
+    Returns a line for the log. A file that exists but cannot be used (another bundle or setting,
+    truncated, corrupt, holding another prompt) is refused with a ClickException, never overwritten:
+    the path may be someone else's file. Without the file and without a system prompt, refused too.
+    """
+    from ..errors import PromptCacheError
+
+    messages = None if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    try:
+        if path.exists():
+            loaded = generator.load_prompt_cache(path)
+            if messages is not None:
+                want = generator.codec.encode_chat(messages, add_generation_prompt=False)
+                if loaded["token_ids"] != want:
+                    raise click.ClickException(f"prompt cache {path} holds another prompt than --system-prompt; "
+                                               "delete it to rebuild it, or give another path")
+            return f"prompt cache {path}: loaded {loaded['tokens']} tokens"
+        if messages is None:
+            raise click.ClickException(f"prompt cache {path} does not exist; pass --system-prompt to create it")
+        saved = generator.save_prompt_cache(path, messages=messages)
+        return f"prompt cache {path}: computed and saved {saved['tokens']} tokens ({saved['bytes'] / 1e6:.1f} MB)"
+    except PromptCacheError as exc:
+        raise click.ClickException(str(exc)) from None

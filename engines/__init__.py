@@ -74,4 +74,12 @@ def create_engine(entry: ModelEntry, graph: Path, options: EngineOptions = Engin
     return factory(entry, graph, options)
 
 
-__all__ = ["BACKENDS", "backend_for", "Engine", "EngineOptions", "KVCache", "create_engine"]
+def runtime_description(backend: str, provider: str) -> str:
+    """What computes a model's numbers, for keys that must change when the kernels may
+    (a persisted prompt cache): ``"<backend> <onnxruntime version> <provider>"``."""
+    import onnxruntime
+
+    return f"{backend} {onnxruntime.__version__} {provider}"
+
+
+__all__ = ["BACKENDS", "backend_for", "runtime_description", "Engine", "EngineOptions", "KVCache", "create_engine"]

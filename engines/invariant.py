@@ -62,6 +62,16 @@ class BatchInvariantEngine:
             tokens = self._tokens[kv] = np.zeros(kv.capacity, np.int64)
         return tokens
 
+    def adopt(self, kv: KVCache, tokens: np.ndarray) -> None:
+        """Record that ``kv[:len(tokens)]`` holds ``tokens``' K/V, computed batch-invariantly
+        elsewhere (a persisted prompt cache saved from this wrapper's cache), so it can be continued."""
+        if len(tokens) != kv.length:
+            raise InvalidParameterError(f"adopting {len(tokens)} tokens for a cache of length {kv.length}")
+        record = self._tokens.get(kv)
+        if record is None:
+            record = self._tokens[kv] = np.zeros(kv.capacity, np.int64)
+        record[:len(tokens)] = tokens
+
     def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray:
         """``input_ids`` int64 ``[n]`` at positions ``kv.length ..``; returns float32 logits
         ``[min(num_logits, n), vocab]`` for the last of them, as :class:`Engine` does."""

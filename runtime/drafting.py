@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the re
 
     from ..engines.base import Engine, KVCache
     from .options import GenerationConfig
+    from .slots import DraftPrefix
     from .suffix import ReplyMemory
     from .verify import Proposal
 
@@ -72,9 +73,9 @@ class DraftModel:
     cache: "KVCache"  # preallocated once per Generator, reused by every call
     head_ids: "np.ndarray | None"  # int64 [head_size]: a vocabulary-truncated head's token ids, else None
     vocab_size: int  # the target's vocabulary: p_draft is placed on it
-    # The draft cache's committed prefix at true positions, kept across calls by the model drafter
-    # so a conversation's next turn reuses it (runtime/slots.py); mutated in place.
-    prefix: list = field(default_factory=list)
+    # What the draft cache holds, kept across calls by the model drafter so a conversation's next
+    # turn reuses it (runtime/slots.py DraftPrefix); mutated in place. None: nothing is kept.
+    prefix: "DraftPrefix | None" = None
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ from ..engines.invariant import BatchInvariantEngine
 from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
 from . import loop
+from . import prompt_cache
 from .profile import save as save_profile
 from .controller import AdaptiveK, Controller, DefaultK, FixedK
 from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
                        uses_draft_model)
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
-from .slots import CacheSlot, SlotPool
+from .slots import CacheSlot, SlotPool, common_prefix
 from .stats import GenerationStats
 from .text import StreamDecoder
 from .verify import near_tie_gap
@@ -287,7 +288,9 @@ class Generator:
         k = self.manifest.speculation.max_draft_tokens
         ids = [int(t) % self.manifest.target.vocab_size for t in range(min(k + 1, self.max_context - k - 2))]
         with self._exclusive():
-            slot = self.slots.slots[0]
+            # An empty slot if there is one; else scratch caches, so a held conversation (a loaded
+            # prompt cache) survives a warm-up.
+            slot = next((s for s in self.slots.slots if not s.tokens), None) or self._new_slot()
             for engine, cache in ((self.target, slot.target_kv), (self.draft, slot.draft_kv)):
                 if engine is None:
                     continue
@@ -410,28 +413,108 @@ class Generator:
 
         A voice agent calls this with the history and the user's partial transcript (interim
         speech-to-text); the real request then computes only what changed since. Returns
-        ``{"prompt_tokens", "reused_tokens", "computed_tokens", "seconds"}``. Nothing is
-        generated; the slot is the one the request will find by longest prefix.
+        ``{"prompt_tokens", "reused_tokens", "computed_tokens", "draft_computed_tokens", "seconds"}``.
+        Nothing is generated; the slot is the one the request will find by longest prefix. When
+        the request will draft with the draft model, its cache is filled too (in full, not bounded
+        by ``draft_window``: this runs before the turn ends, so the draft's catch-up is off the
+        critical path and the draft then reads the whole conversation).
         """
         config = self._config(config, overrides)
         ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat,
                                  allow_special_tokens=config.allow_special_tokens)
         start = time.perf_counter()
         with self._exclusive():
-            # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
-            # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
-            slot, reuse = self.slots.acquire(ids + [-1], config.exact, reuse=config.reuse_prefix)
-            target = self.target if config.exact else self.target.inner
+            _, reuse, drafted = self._prefill(ids, config)
+        return {"prompt_tokens": len(ids), "reused_tokens": reuse, "computed_tokens": len(ids) - reuse,
+                "draft_computed_tokens": drafted, "seconds": time.perf_counter() - start}
+
+    def _prefill(self, ids: list[int], config: GenerationConfig) -> tuple[CacheSlot, int, int]:
+        """Fill a slot with ``ids`` (under the lock): the slot, the target tokens it already held and
+        the draft tokens computed. A forward that raises drops the slot."""
+        if len(ids) >= self.max_context:
+            raise ContextOverflowError(f"prompt of {len(ids)} tokens leaves no room in max_context "
+                                       f"{self.max_context}")
+        # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
+        # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
+        slot, reuse = self.slots.acquire(ids + [-1], config.exact, reuse=config.reuse_prefix)
+        target = self.target if config.exact else self.target.inner
+        name, _ = self._drafter_and_controller(config)
+        drafted = 0
+        try:
             slot.target_kv.rewind(slot.target_kv.length - reuse)
+            if reuse < len(ids):
+                target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
+            if name is not None and uses_draft_model(name, self.draft is not None) and slot.draft_kv is not None:
+                keep = min(common_prefix(slot.draft_prefix.contiguous(), ids), slot.draft_kv.length, len(ids))
+                slot.draft_kv.rewind(slot.draft_kv.length - keep)
+                if keep < len(ids):
+                    self.draft.forward(np.asarray(ids[keep:], np.int64), slot.draft_kv, 1)
+                drafted = len(ids) - keep
+                slot.draft_prefix.set(ids)
+        except BaseException:
+            slot.drop()
+            raise
+        slot.keep(ids, config.exact)
+        return slot, reuse, drafted
+
+    # --------------------------------------------------------------------- prompt cache
+    def _prompt_cache_key(self, exact: bool) -> dict:
+        return prompt_cache.cache_key(self.manifest, exact=exact, runtime=self.loaded.runtime,
+                                      with_draft=self.draft is not None)
+
+    def save_prompt_cache(self, path: str | Path, prompt: str | None = None, *, messages: list[dict] | None = None,
+                          input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,
+                          **overrides) -> dict:
+        """Compute the K/V of a fixed prefix (a system prompt) and write them to ``path``, so a
+        restart loads them (:meth:`load_prompt_cache`) instead of prefilling again.
+
+        The prefix is encoded as a chat prompt would be; with ``messages=[{"role": "system", ...}]``
+        the generation prompt is left off (the conversation continues after it). The slot holding it
+        stays warm. Returns ``{"path", "tokens", "draft_tokens", "bytes"}``. The file is keyed by the
+        bundle's graph hashes, precision, max_context, the exactness setting and the runtime
+        (runtime/prompt_cache.py); PromptCacheError when the path cannot be written.
+        """
+        config = self._config(config, overrides)
+        if messages is not None:
+            ids = self.codec.encode_chat(messages, allow_special_tokens=config.allow_special_tokens,
+                                         add_generation_prompt=False)
+        else:
+            ids = self.encode_prompt(prompt, input_ids=input_ids, chat=config.chat,
+                                     allow_special_tokens=config.allow_special_tokens)
+        with self._exclusive():
+            slot, _, _ = self._prefill(ids, config)
+            draft_tokens = slot.draft_prefix.contiguous()[:slot.draft_kv.length] if slot.draft_kv is not None else []
+            size = prompt_cache.save(path, self._prompt_cache_key(config.exact), ids, slot.target_kv,
+                                     draft_tokens, slot.draft_kv)
+        return {"path": str(path), "tokens": len(ids), "draft_tokens": len(draft_tokens), "bytes": size}
+
+    def load_prompt_cache(self, path: str | Path, *, exact: bool = True) -> dict:
+        """Load a prefix saved by :meth:`save_prompt_cache` into a free (or the least recently
+        used) conversation slot; a request starting with that prefix then prefills only the rest.
+
+        Refused with PromptCacheError, before any slot changes, when the file is missing,
+        truncated, corrupt, or was saved for another bundle, precision, max_context, exactness
+        (``exact``: the setting requests will run with) or runtime; the message names the field.
+        Returns ``{"tokens", "draft_tokens", "token_ids"}`` (the prefix held).
+        """
+        with self._exclusive():
+            slot, _ = self.slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
+            loaded = prompt_cache.load(path, self._prompt_cache_key(exact), slot.target_kv, slot.draft_kv,
+                                       self.manifest.target.vocab_size)
+            slot.drop()
             try:
-                if reuse < len(ids):
-                    target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
+                loaded.fill("target", slot.target_kv)
+                if exact:
+                    self.target.adopt(slot.target_kv, np.asarray(loaded.tokens, np.int64))
+                if loaded.draft_tokens and slot.draft_kv is not None:
+                    loaded.fill("draft", slot.draft_kv)
+                    slot.draft_prefix.set(loaded.draft_tokens)
             except BaseException:
                 slot.drop()
                 raise
-            slot.keep(ids, config.exact)
-        return {"prompt_tokens": len(ids), "reused_tokens": reuse, "computed_tokens": len(ids) - reuse,
-                "seconds": time.perf_counter() - start}
+            slot.keep(loaded.tokens, exact)
+        return {"tokens": len(loaded.tokens), "draft_tokens": len(loaded.draft_tokens),
+                "token_ids": list(loaded.tokens)}
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engines import EngineOptions, backend_for, create_engine
+from ..engines import EngineOptions, backend_for, create_engine, runtime_description
 from ..errors import BundleError, InvalidParameterError
 from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
 from ..bundle_extra import CostProfile
@@ -28,6 +28,7 @@ class LoadedBundle:
     draft_head_ids: np.ndarray | None  # int32 [head_size]: a vocabulary-truncated draft head's ids
     threads: int  # intra-op threads the sessions were created with (0 = ORT default)
     cost_profile: CostProfile | None  # the manifest's measured step costs, when taken on this machine and setting
+    runtime: str = ""  # the target's engines.runtime_description (backend, ORT version, provider)
 
 
 def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, draft_threads: int | None = None,
@@ -73,4 +74,6 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
     recorded = manifest.extra.cost_profile
     # A profile taken on another machine or thread setting is dropped: warmup() re-measures.
     usable = recorded if recorded is not None and recorded.usable(options.intra_op_threads) else None
-    return LoadedBundle(bundle, manifest, codec, target, draft, head_ids, options.intra_op_threads, usable)
+    backend = backend_for(manifest.target, target_graph, options.provider)
+    return LoadedBundle(bundle, manifest, codec, target, draft, head_ids, options.intra_op_threads, usable,
+                        runtime_description(backend, options.provider))

@@ -10,7 +10,7 @@ import numpy as np
 from ..engines.base import Engine
 from .sampling import SamplingConfig, sample, warp
 from .drafting import DraftModel
-from .slots import common_prefix
+from .slots import DraftPrefix
 from .verify import Proposal
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class ModelDrafter:
 
     def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
                  cache=None, head_ids: np.ndarray | None = None, vocab_size: int | None = None,
-                 window: int | None = None, prefix: list[int] | None = None) -> None:
+                 window: int | None = None, prefix: DraftPrefix | None = None) -> None:
         self.check_window(window)
         self.engine = engine
         self.window = window  # most tokens fed to catch up in one go (None = everything)
@@ -69,9 +69,9 @@ class ModelDrafter:
         self.p_min = p_min  # stop drafting when the draft's top probability falls below this
         self.cache = cache if cache is not None else engine.new_cache()
         self.cached: list[int] = []  # token id at each cached position (len == cache.length)
-        # The committed prefix the cache holds at true positions, shared with a conversation slot
-        # that outlives this drafter (an empty list of its own when there is none).
-        self._prefix: list[int] = prefix if prefix is not None else []
+        # What the cache holds, shared with a conversation slot that outlives this drafter (one of
+        # its own when there is none).
+        self._prefix = prefix if prefix is not None else DraftPrefix()
         self._verified = 0  # cached[:_verified] is known to be committed history
         # A bridged gap: cache position p holds history[p] for p < _head, else history[p + _skipped].
         self._head = 0
@@ -92,21 +92,22 @@ class ModelDrafter:
     def begin(self, prompt: np.ndarray) -> None:
         # The draft's prefill is deferred to the first propose(): when the controller never
         # drafts (speculation does not pay), the draft costs nothing at all.
-        # A conversation slot (runtime/slots.py) keeps the committed prefix the cache held at the
-        # end of the last call: the longest part of it this prompt shares is kept, so the draft's
-        # catch-up is paid once per conversation, not once per turn.
-        keep = min(common_prefix(self._prefix, prompt), len(prompt) - 1, self.cache.length)
-        keep = max(keep, 0)
-        self.cache.rewind(self.cache.length - keep)
-        self.cached = [int(t) for t in prompt[:keep]]
-        self._verified = keep
-        self._head = self._skipped = 0
+        # A conversation slot (runtime/slots.py) keeps what the cache held at the end of the last
+        # call, bridged gap included: the longest part of it this prompt continues is kept, so the
+        # draft's catch-up is paid once per conversation, not once per turn.
+        held = self._prefix
+        n = min(len(held.tokens), self.cache.length)
+        self.cache.rewind(self.cache.length - n)
+        self.cached = [int(t) for t in held.tokens[:n]]
+        self._head, self._skipped = (held.head, held.skipped) if held.skipped and held.head < n else (0, 0)
+        self._verified = 0
+        self._sync(prompt)  # keep the longest held prefix of the prompt (through the gap), >= 1 token left
         self._publish()
 
     def _publish(self) -> None:
-        """Share the cache's committed prefix at true positions (before any bridged gap) with the slot."""
-        n = self._verified if not self._skipped else min(self._verified, self._head)
-        self._prefix[:] = self.cached[:n]
+        """Share what the cache holds of the committed history (gap included) with the slot."""
+        n = self._verified
+        self._prefix.set(self.cached[:n], *((self._head, self._skipped) if n > self._head else (0, 0)))
 
     def _feed(self, tokens: np.ndarray, logits: bool = True) -> np.ndarray | None:
         out = self.engine.forward(tokens, self.cache, num_logits=1)[-1]

@@ -21,8 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ..engines.base import KVCache
 from ..errors import InvalidParameterError
+from ..manifest import Manifest, ModelEntry
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -34,20 +37,83 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def cache_nbytes(entry: ModelEntry) -> int:
+    """Bytes of one model's KV cache at max_context, as :class:`KVCache` allocates it:
+    K and V, per layer, ``max_context * n_kv_heads * head_dim`` of ``kv_dtype`` (host layout; a device
+    cache adds at most 256 bytes of alignment per buffer)."""
+    per_position = entry.n_kv_heads * entry.head_dim * np.dtype(entry.kv_dtype).itemsize
+    return 2 * entry.n_layers * entry.max_context * per_position
+
+
+@dataclass(frozen=True)
+class SlotCost:
+    """What one conversation slot costs: the target's and the draft's caches at max_context (bytes)."""
+
+    target_bytes: int
+    draft_bytes: int  # 0 without a draft model
+    max_context: int
+
+    @property
+    def bytes(self) -> int:
+        return self.target_bytes + self.draft_bytes
+
+    @classmethod
+    def of(cls, manifest: Manifest, *, with_draft: bool = True) -> "SlotCost":
+        draft = manifest.draft if with_draft else None
+        return cls(cache_nbytes(manifest.target), cache_nbytes(draft) if draft is not None else 0,
+                   manifest.target.max_context)
+
+    def to_dict(self, slots: int = 1) -> dict:
+        return {"target_bytes": self.target_bytes, "draft_bytes": self.draft_bytes, "slot_bytes": self.bytes,
+                "max_context": self.max_context, "slots": slots, "total_bytes": slots * self.bytes}
+
+
+def used_nbytes(kv: KVCache) -> int:
+    """Bytes of ``kv`` holding committed positions (``length`` of ``capacity``)."""
+    return kv.nbytes * kv.length // kv.capacity if kv.capacity else 0
+
+
+@dataclass
+class DraftPrefix:
+    """What a slot's draft cache holds across calls, kept up to date by the model drafter.
+
+    ``tokens[p]``: the token id at draft cache position p. A bridged catch-up (the draft window,
+    runtime/model_drafter.py) leaves a gap: positions p < ``head`` hold history[p], positions
+    p >= head hold history[p + ``skipped``] (skipped = 0: no gap). Keeping the gap with the tokens
+    lets the next turn continue a bridged cache instead of bridging again, so the draft's catch-up is
+    paid once per conversation, not once per turn.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    head: int = 0
+    skipped: int = 0
+
+    def set(self, tokens: Sequence[int], head: int = 0, skipped: int = 0) -> None:
+        self.tokens[:] = tokens
+        self.head, self.skipped = (head, skipped) if skipped else (0, 0)
+
+    def clear(self) -> None:
+        self.set([])
+
+    def contiguous(self) -> list[int]:
+        """The held tokens at their true positions (those before any gap)."""
+        return list(self.tokens[:self.head] if self.skipped else self.tokens)
+
+
 @dataclass
 class CacheSlot:
     """One conversation's caches and what they hold.
 
     ``tokens``: the token id at each position of ``target_kv`` (len == target_kv.length once a
-    call has ended). ``draft_prefix``: the draft cache's committed prefix, kept up to date by
-    the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
+    call has ended). ``draft_prefix``: what the draft cache holds (:class:`DraftPrefix`), kept up
+    to date by the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
     written with batch-invariant steps (None: empty).
     """
 
     target_kv: KVCache
     draft_kv: KVCache | None
     tokens: list[int] = field(default_factory=list)
-    draft_prefix: list[int] = field(default_factory=list)
+    draft_prefix: DraftPrefix = field(default_factory=DraftPrefix)
     exact: bool | None = None
     last_used: int = 0
 
@@ -76,7 +142,17 @@ class CacheSlot:
         self.exact = exact
 
     def nbytes(self) -> int:
+        """Bytes allocated for this slot (both caches at max_context)."""
         return self.target_kv.nbytes + (self.draft_kv.nbytes if self.draft_kv is not None else 0)
+
+    def used_nbytes(self) -> int:
+        """Bytes of those holding committed positions (what the conversation actually fills)."""
+        return used_nbytes(self.target_kv) + (used_nbytes(self.draft_kv) if self.draft_kv is not None else 0)
+
+    def describe(self) -> dict:
+        return {"held_tokens": len(self.tokens), "target_positions": self.target_kv.length,
+                "draft_positions": self.draft_kv.length if self.draft_kv is not None else 0,
+                "used_bytes": self.used_nbytes(), "allocated_bytes": self.nbytes()}
 
 
 class SlotPool:
@@ -107,7 +183,10 @@ class SlotPool:
                 if n > best_len or (n == best_len and best is not None and n and slot.last_used > best.last_used):
                     best, best_len = slot, n
         if best is None:
-            if len(self.slots) < self.max_slots:
+            empty = [s for s in self.slots if not s.tokens]
+            if empty:  # a slot that holds nothing (the first one, a dropped one) costs no eviction
+                best = empty[0]
+            elif len(self.slots) < self.max_slots:
                 best = self._new_slot()
                 self.slots.append(best)
             else:
@@ -126,6 +205,11 @@ class SlotPool:
         return sum(slot.nbytes() for slot in self.slots)
 
     def describe(self) -> dict:
-        """Slots in use, their held tokens and bytes (for /health and info)."""
+        """Slots in use, their held tokens and bytes (for /health): ``bytes`` is what is allocated
+        now (a slot is allocated on first need), ``slot_bytes`` what each slot costs, ``per_slot`` each
+        slot's held tokens, used and allocated bytes, most recently used first."""
+        ordered = sorted(self.slots, key=lambda s: -s.last_used)
         return {"slots": len(self.slots), "max_slots": self.max_slots, "bytes": self.nbytes(),
-                "held_tokens": [len(s.tokens) for s in self.slots]}
+                "slot_bytes": self.slots[0].nbytes(), "max_bytes": self.max_slots * self.slots[0].nbytes(),
+                "used_bytes": sum(s.used_nbytes() for s in self.slots),
+                "held_tokens": [len(s.tokens) for s in ordered], "per_slot": [s.describe() for s in ordered]}

@@ -4,7 +4,10 @@ shows up as reused tokens while the greedy replies stay identical."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
+import pytest
 from click.testing import CliRunner
 
 
@@ -14,7 +17,7 @@ def test_conversation_bench_reuses_and_replies_identically(self_spec_bundle, tmp
     talk = tmp_path / "talk.json"  # the tiny bundle's context is 256 tokens: a short call
     talk.write_text(json.dumps({"system": "w010 w011 w012 w013 w014 w015", "turns": ["w020 w021", "w030", "w040 w041"]}))
     out = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
-                                    "--turns", "3",
+                                    "--turns", "3", "--no-llamacpp",
                                     "--max-new-tokens", "4", "--threads", "1", "--json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.output[out.output.index("{"):])
@@ -34,3 +37,94 @@ def test_unknown_conversation_configs_are_refused(self_spec_bundle):
     out = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--configs", "warm"])
     assert out.exit_code == 2 and "unknown conversation configuration(s) ['warm']" in out.output
     assert "error:" in out.output
+
+
+# A stand-in for the llama.cpp conversation peer speaking bench/peer_worker.py's protocol: it
+# offers the two configurations, replies with our reply, and takes 10 ms per new token, reading a
+# prompt's tokens past the longest prefix it held (cache-prompt) or all of them (cold) at 1 ms each.
+FAKE_LLAMACPP = """
+import json, sys
+init = json.loads(sys.stdin.readline())
+assert init["peer"] == "llamacpp-conversation", init
+print(json.dumps({"configs": ["llamacpp-cold", "llamacpp-cache-prompt"], "info": {"fake": True},
+                  "notes": ["fake llama.cpp"]}), flush=True)
+held = []
+for line in sys.stdin:
+    request = json.loads(line)
+    ids, config = request["job"]["prompt_ids"], request["config"]
+    common = 0
+    if config == "llamacpp-cache-prompt":
+        while common < min(len(held), len(ids)) and held[common] == ids[common]:
+            common += 1
+        held = list(ids)
+    first = 0.001 * (len(ids) - common)
+    reply = request["job"]["reference"][:request["n"]] or [1]
+    print(json.dumps({"tokens": reply, "times": [first + 0.01 * j for j in range(len(reply))]}), flush=True)
+"""
+
+
+@pytest.fixture
+def fake_llamacpp(tmp_path, monkeypatch):
+    from specedge.bench import peers
+
+    script = tmp_path / "fake_llamacpp.py"
+    script.write_text(FAKE_LLAMACPP)
+    monkeypatch.setattr(peers, "_worker_command", lambda: [sys.executable, str(script)])
+
+
+def test_the_llamacpp_peer_runs_the_same_turns_next_to_ours(self_spec_bundle, tmp_path, fake_llamacpp):
+    from specedge.cli.main import main
+
+    talk = tmp_path / "talk.json"
+    talk.write_text(json.dumps({"system": "w010 w011 w012 w013 w014 w015", "turns": ["w020 w021", "w030", "w040"]}))
+    out = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                    "--max-new-tokens", "4", "--threads", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output[out.output.index("{"):])
+    assert doc["identical"] is True and doc["peer"]["notes"] == ["fake llama.cpp"]
+    assert set(doc["summary"]) == {"cold", "reuse", "reuse+prefill", "llamacpp-cold", "llamacpp-cache-prompt"}
+    rows = {(t["config"], t["turn"]): t for t in doc["turns"]}
+    for turn in range(3):
+        ours = rows[("reuse", turn)]
+        for config in ("llamacpp-cold", "llamacpp-cache-prompt"):
+            peer = rows[(config, turn)]
+            # The same turn: the reuse history's prompt, and (here) our reply given back.
+            assert peer["prompt_tokens"] == ours["prompt_tokens"] and peer["peer"] and peer["same_reply"]
+            assert peer["new_tokens"] == ours["new_tokens"]
+        # The fake's TTFT is 1 ms per token read: cold reads the whole prompt, the prompt cache only what is new.
+        assert rows[("llamacpp-cold", turn)]["ttft_s"] == pytest.approx(0.001 * ours["prompt_tokens"])
+        if turn:
+            assert rows[("llamacpp-cache-prompt", turn)]["ttft_s"] < rows[("llamacpp-cold", turn)]["ttft_s"]
+    assert [sorted(row["ttft_s"]) for row in doc["ttft_by_turn"]] == \
+        [sorted(doc["summary"])] * 3
+    text = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                     "--max-new-tokens", "2", "--threads", "1", "--configs", "reuse"])
+    assert "| turn | prompt tokens | reuse | llamacpp-cold | llamacpp-cache-prompt |" in text.output
+    assert "peer replies equal to ours: 6 of 6" in text.output and "note: fake llama.cpp" in text.output
+
+
+def test_without_llamacpp_the_bench_runs_alone(self_spec_bundle, tmp_path, monkeypatch):
+    """The real worker, with llama_cpp made unimportable: the peer is skipped with the reason."""
+    from specedge.bench.peers import PeerContext, PeerSkipped, setup_llamacpp_conversation
+    from specedge.cli.main import main
+    from specedge.manifest import load_manifest
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(PeerSkipped, match="llama-cpp-python is not installed"):
+        setup_llamacpp_conversation(PeerContext(1, {}, load_manifest(self_spec_bundle)), None)
+    blocker = tmp_path / "block" / "llama_cpp"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('blocked for this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(blocker.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    talk = tmp_path / "talk.json"
+    talk.write_text(json.dumps({"system": "w010 w011", "turns": ["w020", "w030"]}))
+    out = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                    "--max-new-tokens", "2", "--threads", "1", "--configs", "reuse", "--json"])
+    assert out.exit_code == 0, out.output
+    assert "llama.cpp peer: llama-cpp-python is not installed" in out.output
+    doc = json.loads(out.output[out.output.index("{"):])
+    assert doc["peer"] is None and set(doc["summary"]) == {"reuse"}
+    bare = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                     "--max-new-tokens", "2", "--threads", "1", "--configs", "reuse",
+                                     "--no-llamacpp"])
+    assert bare.exit_code == 0 and "llama.cpp peer" not in bare.output and "llamacpp" not in bare.output

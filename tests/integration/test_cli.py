@@ -102,6 +102,10 @@ def test_info_text(int4_bundle):
     assert "draft  llama int4" in out
     assert "speculation: drafter auto" in out
     assert "checksums: all files verified" in out
+    # 2 layers x K,V x 256 positions x 2 kv heads x 16 x 4 bytes = 131072 bytes per model
+    assert "conversation cache: 0.3 MB per slot (target 0.1 MB + draft 0.1 MB at max_context 256); " \
+           "4 slots 1.0 MB" in out
+    assert "1 slot 0.3 MB" in _invoke("info", int4_bundle, "--cache-slots", "1").output
     skipped = _invoke("info", int4_bundle, "--no-verify-checksums")
     assert "checksums: skipped" in skipped.output
 
@@ -109,7 +113,11 @@ def test_info_text(int4_bundle):
 def test_info_json_is_the_manifest(int4_bundle):
     result = _invoke("info", int4_bundle, "--json")
     assert result.exit_code == 0
-    assert json.loads(result.output) == load_manifest(int4_bundle).to_json()
+    described = json.loads(result.output)
+    assert described.pop("conversation_cache") == {"target_bytes": 131072, "draft_bytes": 131072,
+                                                   "slot_bytes": 262144, "max_context": 256, "slots": 4,
+                                                   "total_bytes": 4 * 262144}
+    assert described == load_manifest(int4_bundle).to_json()
 
 
 # --------------------------------------------------------------------------- generate

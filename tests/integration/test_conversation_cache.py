@@ -9,7 +9,12 @@
   refused before anything runs and the slot stays usable; a cancelled stream keeps only the
   committed tokens; a forward that raises drops its slot.
 - Several conversations each find their own slot by longest prefix (LRU eviction past the
-  count); ``prefill`` pushes a known prefix ahead of the request.
+  count); ``prefill`` pushes a known prefix ahead of the request, the draft's included; a draft
+  cache bridged by the draft window is continued on the next turn, not bridged again.
+- Concurrent callers on one Generator each get their cold replies (1 or 2 slots); a prefill whose
+  request never comes is evicted and changes nothing; the server's worker runs a waiting request
+  before queued prefills; a draft forward or a prefill forward that raises drops its slot too.
+- Slot memory: priced from the manifest (``specedge info``) and reported per slot (/health).
 """
 
 from __future__ import annotations
@@ -60,6 +65,39 @@ def test_later_turns_reuse_the_prefix_and_reply_as_a_cold_start(attention, specu
     assert all(r.stats.reused_tokens == 0 for r in cold)
     if speculation.get("drafter") == "model":
         assert warm[2].stats.catchup_tokens < cold[2].stats.catchup_tokens
+
+
+def test_a_bridged_draft_cache_is_continued_not_bridged_again(int4_bundle, fresh):
+    """With a draft window shorter than the history, turn 1 bridges the draft's catch-up (sink +
+    recent tokens); later turns continue that cache through its gap and read only what is new."""
+    options = dict(drafter="model", draft_tokens=3, adaptive=False, draft_window=16)
+    gen = fresh(int4_bundle)
+    warm = _conversation(gen, **options)
+    cold = _conversation(fresh(int4_bundle), reuse_prefix=False, **options)
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    held = gen.slots.slots[0].draft_prefix
+    assert held.skipped > 0 and held.head == 4  # the gap of turn 1 is still there, 4 sink tokens before it
+    for turn in (1, 2):
+        # The user turn, and the reply's last tokens the draft had not read (at most the final block: k + 1).
+        new = len(TURNS[turn]) + 3 + 1
+        assert warm[turn].stats.catchup_tokens <= new < cold[turn].stats.catchup_tokens == 16, turn
+
+
+def test_prefill_ahead_fills_the_draft_too(int4_bundle, fresh):
+    """Generator.prefill also feeds the draft model (whole, past the draft window: it runs before the
+    turn ends), so the request's draft reads only the tail and sees the whole conversation."""
+    options = dict(drafter="model", draft_tokens=3, adaptive=False, draft_window=16)
+    gen = fresh(int4_bundle)
+    known = SYSTEM + TURNS[0]
+    report = gen.prefill(input_ids=known, **options)
+    assert report["draft_computed_tokens"] == len(known)
+    assert gen.prefill(input_ids=known, **options)["draft_computed_tokens"] == 0
+    assert gen.prefill(input_ids=known, speculation=False)["draft_computed_tokens"] == 0
+    out = gen.generate(input_ids=known + [5, 6], max_new_tokens=8, **options)
+    assert out.stats.catchup_tokens <= 3  # the 2 new tokens and the first target token, never the window
+    assert out.token_ids == fresh(int4_bundle).generate(input_ids=known + [5, 6], max_new_tokens=8,
+                                                         reuse_prefix=False, **options).token_ids
+    assert gen.slots.slots[0].draft_prefix.skipped == 0  # no gap: the draft read everything
 
 
 def test_int4_reuse_is_exact_too(int4_bundle, fresh):
@@ -180,6 +218,28 @@ def test_prefill_ahead_leaves_only_the_tail_to_compute(llama_bundle, fresh):
                                                           speculation=False).token_ids
 
 
+def test_slot_memory_is_priced_from_the_manifest_and_reported_per_slot(int4_bundle, fresh):
+    """`specedge info` prices a slot from the manifest alone; that price is what a slot allocates,
+    and describe() (/health) reports each slot's used and allocated bytes."""
+    from specedge.runtime.slots import SlotCost
+
+    gen = fresh(int4_bundle, cache_slots=3)
+    cost = SlotCost.of(gen.manifest)
+    assert cost.bytes == gen.slots.slots[0].nbytes() == cost.target_bytes + cost.draft_bytes > cost.target_bytes
+    out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=5, drafter="model", draft_tokens=2, adaptive=False)
+    state = gen.slots.describe()
+    assert state["slot_bytes"] == cost.bytes and state["max_bytes"] == 3 * cost.bytes
+    assert state["bytes"] == cost.bytes  # one slot allocated so far, however many are allowed
+    [slot] = state["per_slot"]
+    held = len(PROMPT_IDS) + len(out.token_ids)
+    assert slot["held_tokens"] == slot["target_positions"] <= held
+    per_position = cost.target_bytes // gen.max_context
+    draft_per_position = cost.draft_bytes // gen.max_context
+    assert slot["used_bytes"] == slot["target_positions"] * per_position + slot["draft_positions"] * draft_per_position
+    assert 0 < slot["used_bytes"] < slot["allocated_bytes"] == cost.bytes
+    assert SlotCost.of(gen.manifest, with_draft=False).bytes == cost.target_bytes
+
+
 def test_cache_limits_are_checked(llama_bundle):
     from specedge.errors import InvalidParameterError
     from specedge.runtime.generator import Generator
@@ -188,3 +248,152 @@ def test_cache_limits_are_checked(llama_bundle):
         Generator.from_bundle(llama_bundle, cache_slots=0)
     with pytest.raises(InvalidParameterError, match="cannot hold one slot"):
         Generator.from_bundle(llama_bundle, cache_memory=1000)
+
+
+def _turns(gen, system, turns, **options):
+    history, replies = list(system), []
+    for turn in turns:
+        history += turn
+        out = gen.generate(input_ids=history, max_new_tokens=6, **options)
+        replies.append(out.token_ids)
+        history += out.token_ids
+    return replies
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_concurrent_conversations_each_reply_as_their_cold_start(self_spec_bundle, fresh, slots):
+    """Three callers talk at once through one Generator (threads started together by a barrier):
+    whatever the interleaving and however often their slots are evicted, each caller's replies are
+    its cold replies, so no conversation's tokens reach another."""
+    import threading
+
+    calls = {name: (list(range(base, base + 24)), [list(range(base + 30, base + 34)), [base + 40, base + 41]])
+             for name, base in (("a", 10), ("b", 100), ("c", 200))}
+    options = dict(drafter="model", draft_tokens=2, adaptive=False)
+    cold = {name: _turns(fresh(self_spec_bundle), *call, reuse_prefix=False, **options)
+            for name, call in calls.items()}
+    gen = fresh(self_spec_bundle, cache_slots=slots)
+    barrier = threading.Barrier(len(calls))
+    got, errors = {}, []
+
+    def talk(name):
+        try:
+            barrier.wait()
+            got[name] = _turns(gen, *calls[name], **options)
+        except BaseException as exc:  # surfaced below: an assert in a thread would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=talk, args=(name,)) for name in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert got == cold
+    assert len(gen.slots.slots) <= slots
+
+
+def test_a_prefill_whose_request_never_comes_is_evicted_and_changes_nothing(llama_bundle, fresh):
+    """A prefill that is never followed by its request holds its slot until evicted (least recently
+    used first), never more slots or bytes than the pool allows, and others' replies stay cold."""
+    gen = fresh(llama_bundle, cache_slots=2)
+    orphan = list(range(150, 190))
+    gen.prefill(input_ids=orphan)
+    a, b = (list(range(10, 40)), [[41, 42]]), (list(range(200, 230)), [[231, 232, 233]])
+    assert _turns(gen, *a, speculation=False) == _turns(fresh(llama_bundle), *a, speculation=False,
+                                                         reuse_prefix=False)
+    assert any(slot.tokens[:len(orphan)] == orphan for slot in gen.slots.slots)  # a took the free slot
+    assert _turns(gen, *b, speculation=False) == _turns(fresh(llama_bundle), *b, speculation=False,
+                                                         reuse_prefix=False)
+    assert not any(slot.tokens[:len(orphan)] == orphan for slot in gen.slots.slots)  # evicted by b
+    assert len(gen.slots.slots) == 2 and gen.slots.nbytes() == 2 * gen.slots.slots[0].nbytes()
+    # Its request arriving late is merely a cold start, still right.
+    late = gen.generate(input_ids=orphan + [5], max_new_tokens=6, speculation=False)
+    assert late.stats.reused_tokens == 0
+    assert late.token_ids == fresh(llama_bundle).generate(input_ids=orphan + [5], max_new_tokens=6,
+                                                          speculation=False).token_ids
+
+
+def test_the_worker_runs_a_waiting_request_before_queued_prefills():
+    """Prefills wait behind generations: while one generation runs, two prefills and a request
+    arrive; the request runs next, then the prefills (the oldest dropped past the bound)."""
+    import asyncio
+    import threading
+
+    from specedge.runtime.generator import GenerationResult
+    from specedge.runtime.options import GenerationConfig
+    from specedge.server.worker import GenerationWorker, Job
+
+    class Stream:
+        def __init__(self, ids):
+            self.result = GenerationResult("", [], "stop", prompt_ids=ids)
+
+        def __iter__(self):
+            return iter(())
+
+        def cancel(self):
+            pass
+
+    class Recorder:  # a Generator stand-in: records call order; the first call waits for a gate
+        def __init__(self):
+            self.order, self.gate, self.done = [], threading.Event(), threading.Semaphore(0)
+            self.started = threading.Event()
+
+        def _call(self, kind, ids):
+            if not self.order:
+                self.started.set()
+                self.gate.wait()
+            self.order.append((kind, ids[0]))
+            self.done.release()
+
+        def stream(self, *, input_ids, config):
+            self._call("generate", input_ids)
+            return Stream(input_ids)
+
+        def prefill(self, *, input_ids, config):
+            self._call("prefill", input_ids)
+            return {"computed_tokens": 1, "reused_tokens": 0, "seconds": 0.0}
+
+    fake = Recorder()
+    worker = GenerationWorker(fake, queue_size=2)
+    loop = asyncio.new_event_loop()  # never run: events queue up unread
+    job = lambda first, prefill=False: Job(loop, [first], GenerationConfig(), prefill=prefill)  # noqa: E731
+    try:
+        worker.submit(job(1))
+        fake.started.wait()  # the first generation is running (and held)
+        for first in (2, 3, 4):
+            worker.submit_prefill(job(first, prefill=True))  # 2 is dropped: only queue_size prefills wait
+        worker.submit(job(5))
+        fake.gate.set()
+        for _ in range(4):
+            fake.done.acquire()
+        assert fake.order == [("generate", 1), ("generate", 5), ("prefill", 3), ("prefill", 4)]
+        assert worker.status()["cancelled"] == 1
+    finally:
+        worker.stop()
+        loop.close()
+
+
+@pytest.mark.parametrize("where", ["draft", "prefill"])
+def test_a_draft_or_prefill_forward_that_raises_drops_its_slot(int4_bundle, fresh, monkeypatch, where):
+    gen = fresh(int4_bundle)
+    options = dict(drafter="model", draft_tokens=2, adaptive=False)
+    gen.generate(input_ids=PROMPT_IDS, max_new_tokens=4, **options)
+    engine = gen.draft if where == "draft" else gen.target.inner
+
+    def broken(ids, kv, num_logits=1):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "forward", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        if where == "draft":
+            gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8, **options)
+        else:
+            gen.prefill(input_ids=PROMPT_IDS + [40, 41])
+    slot = gen.slots.slots[0]
+    assert slot.tokens == [] and slot.target_kv.length == 0 and slot.draft_prefix.tokens == []
+    monkeypatch.undo()
+    out = gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8, **options)
+    assert out.stats.reused_tokens == 0
+    assert out.token_ids == fresh(int4_bundle).generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8,
+                                                         **options).token_ids

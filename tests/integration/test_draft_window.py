@@ -121,7 +121,9 @@ def baseline(gen):
 
 @pytest.mark.parametrize("draft_tokens", [1, 4, None])
 def test_windowed_greedy_equals_plain(gen, baseline, draft_tokens):
-    out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, draft_tokens=draft_tokens, draft_window=8)
+    # A cold start: with the slot's draft cache kept, a repeated prompt would need no catch-up at all.
+    out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=draft_tokens,
+                       draft_window=8, reuse_prefix=False)
     assert out.token_ids == baseline
     if draft_tokens is not None:  # fixed k: one catch-up, at the first propose
         assert 0 < out.stats.catchup_tokens <= 8
@@ -171,7 +173,8 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         # prior acceptance), but a catch-up token costs 1 s.
         flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
         gen.memory.costs["model"] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
-        out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=None, adaptive=True)
+        out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=None,
+                           adaptive=True, reuse_prefix=False)  # the draft starts empty: its catch-up is the window
         assert out.token_ids == baseline
         assert out.stats.drafted == 0 and out.stats.catchup_tokens == 0
         assert out.stats.catchup_deferred > 0

@@ -616,6 +616,9 @@ def test_prefill_ahead_then_the_request_reuses_it(served, gen):
     assert response.status_code == 202 and response.json()["status"] == "queued"
     state = served.wait_for(lambda s: s["completed"] > before and s["waiting_prefills"] == 0)
     assert state["cache"]["slots"] >= 1 and max(state["cache"]["held_tokens"]) > 0
+    busiest = state["cache"]["per_slot"][0]  # most recently used first: the prefilled slot
+    assert busiest["held_tokens"] > 0 and 0 < busiest["used_bytes"] < busiest["allocated_bytes"] == \
+        state["cache"]["slot_bytes"]
     body = served.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4,
                                                 "temperature": 0}).json()
     assert body["specedge"]["reused_tokens"] == body["usage"]["prompt_tokens"] - 1

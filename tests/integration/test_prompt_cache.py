@@ -1,0 +1,192 @@
+"""Invariant: a persisted prompt cache is the K/V a cold prefill computes, or it is refused.
+
+- Saved by one Generator and loaded by a fresh one (a restart), a request starting with the
+  saved prefix prefills only its tail and replies exactly as a cold start (greedy, fp32 target;
+  plain and speculative, the draft's prefix loaded too).
+- Every unusable file is refused with PromptCacheError naming why, and a refused load changes
+  no slot: another bundle (graph sha256), another exactness setting, a draft-less Generator,
+  a truncated, corrupt, foreign or pickled file, a missing header, another format version,
+  out-of-range tokens, wrong array shapes, a missing path or a directory; saving into a
+  missing folder or onto a directory.
+- ``specedge serve --prompt-cache`` creates the file from --system-prompt, loads it on restart,
+  and refuses a file holding another prompt or none to create it from.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT_IDS
+
+PREFIX = list(range(30, 70))  # a 40-token "system prompt"
+TURN = [80, 81, 82, 83, 84]
+
+
+@pytest.fixture
+def fresh():
+    from specedge.runtime.generator import Generator
+
+    return lambda bundle, **kw: Generator.from_bundle(bundle, threads=1, **kw)
+
+
+@pytest.fixture
+def saved(int4_bundle, fresh, tmp_path):
+    """A prompt cache of PREFIX saved from the int4-draft bundle (fp32 target), and its path."""
+    path = tmp_path / "system.cache"
+    report = fresh(int4_bundle).save_prompt_cache(path, input_ids=PREFIX)
+    assert report == {"path": str(path), "tokens": len(PREFIX), "draft_tokens": len(PREFIX),
+                      "bytes": path.stat().st_size}
+    return path
+
+
+@pytest.mark.parametrize("options", [dict(speculation=False), dict(drafter="model", draft_tokens=3, adaptive=False)],
+                         ids=["plain", "model-k3"])
+def test_a_loaded_prefix_replies_as_a_cold_start(int4_bundle, fresh, saved, options):
+    restarted = fresh(int4_bundle)
+    restarted.warmup(tune=False)  # warm-up runs after the load in a server: it must not drop the slot
+    assert restarted.load_prompt_cache(saved)["tokens"] == len(PREFIX)
+    restarted.warmup(tune=False)
+    warm = restarted.generate(input_ids=PREFIX + TURN, max_new_tokens=12, **options)
+    cold = fresh(int4_bundle).generate(input_ids=PREFIX + TURN, max_new_tokens=12, reuse_prefix=False, **options)
+    assert warm.stats.reused_tokens == len(PREFIX)
+    assert warm.token_ids == cold.token_ids
+    if "drafter" in options:  # the draft's prefix came from the file too: it reads only the new tokens
+        assert warm.stats.catchup_tokens < cold.stats.catchup_tokens
+
+
+def test_another_bundle_is_refused_by_its_graph_hash(self_spec_bundle, fresh, saved):
+    from specedge.errors import PromptCacheError
+
+    gen = fresh(self_spec_bundle)
+    with pytest.raises(PromptCacheError, match=r"saved for another bundle or setting: draft_sha256 [0-9a-f]{12}… \(this Generator: [0-9a-f]{12}…\); "
+                                                  r"draft_precision 'int4' \(this Generator: 'fp32'\)"):
+        gen.load_prompt_cache(saved)
+
+
+def test_another_target_is_refused(llama_bundle, fresh, tmp_path, tiny_model, export):
+    from specedge.errors import PromptCacheError
+
+    other = export(tiny_model("llama", seed=123))
+    path = tmp_path / "other.cache"
+    fresh(other).save_prompt_cache(path, input_ids=PREFIX)
+    with pytest.raises(PromptCacheError, match=r"target_sha256 [0-9a-f]{12}… \(this Generator: [0-9a-f]{12}…\)$"):
+        fresh(llama_bundle).load_prompt_cache(path)
+
+
+def test_exactness_and_draft_presence_are_part_of_the_key(int4_bundle, fresh, saved):
+    from specedge.errors import PromptCacheError
+
+    with pytest.raises(PromptCacheError, match=r"exact True \(this Generator: False\)"):
+        fresh(int4_bundle).load_prompt_cache(saved, exact=False)
+    with pytest.raises(PromptCacheError, match=r"draft_sha256 [0-9a-f]{12}… \(this Generator: None\)"):
+        fresh(int4_bundle, load_draft=False).load_prompt_cache(saved)
+
+
+def _rewrite(path, *, header=None, drop=(), replace=None):
+    """Copy an npz prompt cache with its header edited, arrays dropped or replaced."""
+    with np.load(path, allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files if name not in drop}
+    if header is not None:
+        doc = json.loads(arrays["header"].tobytes())
+        header(doc)
+        arrays["header"] = np.frombuffer(json.dumps(doc).encode(), np.uint8)
+    arrays.update(replace or {})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupt(path):
+    data = bytearray(path.read_bytes())
+    # Flip bytes inside the largest member's stored data: its CRC no longer matches.
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        info = max(z.infolist(), key=lambda i: i.compress_size)
+    middle = info.header_offset + 200 + info.compress_size // 2
+    data[middle:middle + 16] = bytes(255 - b for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def _pickled(path):
+    with open(path, "wb") as f:
+        np.savez(f, header=np.array([{"format": "specedge-prompt-cache"}], dtype=object))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_truncate, "is truncated or corrupt"),
+    (_corrupt, "is truncated or corrupt"),
+    (lambda p: p.write_text("not a cache"), "is truncated or corrupt"),
+    (lambda p: p.write_bytes(b"\x80\x04\x95" + b"\x00" * 64), "is truncated or corrupt"),  # a pickle stream
+    (_pickled, "is truncated or corrupt"),  # an object array: allow_pickle=False refuses it
+    (lambda p: _rewrite(p, drop=("header",)), "has no header"),
+    (lambda p: _rewrite(p, header=lambda h: h.update(format="llama.cpp")), "is not a specedge prompt cache"),
+    (lambda p: _rewrite(p, header=lambda h: h.update(version=99)), "has format version 99"),
+    (lambda p: _rewrite(p, header=lambda h: h.update(tokens=[10**6] * 3, draft_tokens=[])), "out of range"),
+    (lambda p: _rewrite(p, header=lambda h: h.update(tokens="abc")), "'tokens' must be a list of token ids"),
+    (lambda p: _rewrite(p, header=lambda h: h.update(draft_tokens=[1, 2])), "draft's prefix is not the target's"),
+    (lambda p: _rewrite(p, drop=("target.v.1",)), "lacks target.v.1"),
+    (lambda p: _rewrite(p, replace={"target.k.0": np.zeros((1, 2, 3), np.float32)}), r"target.k.0 is float32 \[1, 2, 3\]"),
+], ids=["truncated", "corrupt", "text", "pickle", "object-array", "no-header", "format", "version", "tokens",
+        "tokens-type", "draft-prefix", "missing-array", "shape"])
+def test_an_unusable_file_is_refused_and_no_slot_changes(int4_bundle, fresh, saved, damage, message):
+    from specedge.errors import PromptCacheError
+
+    gen = fresh(int4_bundle)
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=4, speculation=False)
+    damage(saved)
+    with pytest.raises(PromptCacheError, match=message):
+        gen.load_prompt_cache(saved)
+    again = gen.generate(input_ids=PROMPT_IDS + first.token_ids, max_new_tokens=2, speculation=False)
+    assert again.stats.reused_tokens == len(PROMPT_IDS) + len(first.token_ids) - 1  # the conversation is intact
+
+
+def test_paths_are_refused_sensibly(int4_bundle, fresh, tmp_path):
+    from specedge.errors import PromptCacheError
+
+    gen = fresh(int4_bundle)
+    with pytest.raises(PromptCacheError, match="does not exist"):
+        gen.load_prompt_cache(tmp_path / "missing.cache")
+    with pytest.raises(PromptCacheError, match="is not a regular file"):
+        gen.load_prompt_cache(tmp_path)
+    with pytest.raises(PromptCacheError, match=r"folder .*nowhere does not exist"):
+        gen.save_prompt_cache(tmp_path / "nowhere" / "x.cache", input_ids=PREFIX)
+    with pytest.raises(PromptCacheError, match="is a directory"):
+        gen.save_prompt_cache(tmp_path, input_ids=PREFIX)
+    path = tmp_path / "named-without-npz"
+    gen.save_prompt_cache(path, input_ids=PREFIX)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["named-without-npz"]  # no ".npz" added, no temp left
+
+
+def test_serve_creates_loads_and_refuses_prompt_caches(int4_bundle, fresh, tmp_path):
+    """The startup step of `specedge serve --prompt-cache FILE --system-prompt TEXT`."""
+    import click
+
+    from specedge.cli.serve import warm_prompt_cache
+
+    path = tmp_path / "voice.cache"
+    system = "t30 t31 t32 t33 t34 t35"
+    first = fresh(int4_bundle)
+    assert "computed and saved" in warm_prompt_cache(first, path, system)
+    restarted = fresh(int4_bundle)
+    assert "loaded" in warm_prompt_cache(restarted, path, system)
+    assert "loaded" in warm_prompt_cache(fresh(int4_bundle), path, None)  # the file alone is enough
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "t40 t41"}]
+    warm = restarted.generate(messages=messages, max_new_tokens=6, speculation=False)
+    assert warm.stats.reused_tokens > 0
+    assert warm.token_ids == fresh(int4_bundle).generate(messages=messages, max_new_tokens=6, speculation=False,
+                                                         reuse_prefix=False).token_ids
+    with pytest.raises(click.ClickException, match="holds another prompt than --system-prompt"):
+        warm_prompt_cache(fresh(int4_bundle), path, "t50 t51")
+    with pytest.raises(click.ClickException, match="does not exist; pass --system-prompt to create it"):
+        warm_prompt_cache(fresh(int4_bundle), tmp_path / "none.cache", None)
+    _truncate(path)
+    with pytest.raises(click.ClickException, match="truncated or corrupt"):
+        warm_prompt_cache(fresh(int4_bundle), path, system)
+    assert path.stat().st_size > 0  # a refused file is never overwritten
