@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import model_drafter
+from .composite_drafter import ModelCatchupOfLastProposal
 from .drafting import DraftModel
 from .model_drafter import ModelDrafter
 from .suffix import ReplyMemory
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .options import GenerationConfig
 
 
-class AutoDrafter:
+class AutoDrafter(ModelCatchupOfLastProposal):
     """The suffix lookup's proposal whenever it has one, else the draft model's (None: nothing).
 
     The model drafter's cache stays consistent either way: its ``accept`` runs every
@@ -75,14 +76,6 @@ class AutoDrafter:
         # What a model proposal would read first. A step the lookup serves feeds the model nothing:
         # the controller knows that from lookup_tokens() and weighs no catch-up then.
         return 0 if self.model is None else self.model.pending_tokens(history)
-
-    @property
-    def catchup_s(self) -> float:
-        return self.model.catchup_s if self.last_source == "model" else 0.0
-
-    @property
-    def catchup_tokens(self) -> int:
-        return self.model.catchup_tokens if self.last_source == "model" else 0
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None, replies: ReplyMemory | None) -> AutoDrafter:

@@ -16,7 +16,23 @@ if TYPE_CHECKING:
     from .options import GenerationConfig
 
 
-class CompositeDrafter:
+class ModelCatchupOfLastProposal:
+    """Catch-up accounting for a drafter that proposes from a lookup or from ``self.model``:
+    only a proposal the draft model made (``last_source == "model"``) paid its catch-up."""
+
+    model: ModelDrafter | None
+    last_source: str
+
+    @property
+    def catchup_s(self) -> float:
+        return self.model.catchup_s if self.last_source == "model" else 0.0
+
+    @property
+    def catchup_tokens(self) -> int:
+        return self.model.catchup_tokens if self.last_source == "model" else 0
+
+
+class CompositeDrafter(ModelCatchupOfLastProposal):
     """The n-gram proposal when the history repeats itself, else the draft model.
 
     The model drafter's cache stays consistent either way: its ``accept`` runs every
@@ -53,13 +69,6 @@ class CompositeDrafter:
     def lookup_tokens(self, history, limit: int) -> int:
         return self.ngram.lookup_tokens(history, limit)
 
-    @property
-    def catchup_s(self) -> float:
-        return self.model.catchup_s if self.last_source == "model" else 0.0
-
-    @property
-    def catchup_tokens(self) -> int:
-        return self.model.catchup_tokens if self.last_source == "model" else 0
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None) -> CompositeDrafter:
