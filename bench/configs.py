@@ -48,11 +48,16 @@ class BenchConfig:
         """The GenerationConfig for this configuration (greedy: outputs must equal the baseline's)."""
         from ..runtime.options import GenerationConfig
 
+        # Every run is a cold request (reuse_prefix off): the configurations run the same prompt one
+        # after another on one Generator, and a kept slot would hand the later ones the prompt's
+        # target cache (no prefill: a near-zero TTFT) and a warm draft cache (no catch-up: an
+        # inflated speedup). Conversation reuse is measured by `specedge bench conversation`.
         if not self.speculative:
-            return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat, exact=self.exact)
+            return GenerationConfig(max_new_tokens=max_new_tokens, speculation=False, chat=chat, exact=self.exact,
+                                    reuse_prefix=False)
         window = {} if self.draft_window == -1 else {"draft_window": self.draft_window}
         return GenerationConfig(max_new_tokens=max_new_tokens, drafter=self.drafter, draft_tokens=self.draft_tokens,
-                                adaptive=self.adaptive, chat=chat, mode=self.mode, **window)
+                                adaptive=self.adaptive, chat=chat, mode=self.mode, reuse_prefix=False, **window)
 
 
 def parse_config_name(name: str) -> BenchConfig:

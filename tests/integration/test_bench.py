@@ -155,6 +155,8 @@ def test_generation_configs_force_what_the_name_says():
     assert (fixed.drafter, fixed.draft_tokens, fixed.adaptive, fixed.chat) == ("composite", 6, False, False)
     adaptive = parse_config_name("model-adaptive").generation_config(32)
     assert adaptive.adaptive is True and adaptive.draft_tokens is None
+    # Each run is a cold request: no configuration inherits the previous one's prompt or draft cache.
+    assert not any(c.reuse_prefix for c in (base, fixed, adaptive))
 
 
 # ----------------------------------------------------------------------------- the prompt suite

@@ -1,0 +1,20 @@
+"""The bench's configurations run as cold requests on a Generator that keeps conversation slots."""
+
+from __future__ import annotations
+
+from specedge.bench.configs import parse_config_name
+
+
+def test_bench_runs_are_cold_requests_even_on_a_generator_that_keeps_a_slot(reference):
+    """The configurations run one prompt one after another on one Generator. Reusing the slot
+    would give the later ones the prompt's cache (a near-zero TTFT) and a warm draft (no
+    catch-up, an inflated speedup); with the bench's configs every run computes the whole prompt."""
+    gen = reference()
+    prompt = list(range(3, 40))
+    for name in ("baseline", "model-k4", "model-adaptive", "auto-adaptive"):
+        config = parse_config_name(name).generation_config(8, chat=False)
+        result = gen.generate(input_ids=prompt, config=config)
+        assert result.stats.reused_tokens == 0, name
+    # The same Generator does reuse the prompt when asked: the check above is not vacuous.
+    again = gen.generate(input_ids=prompt, max_new_tokens=8, chat=False, speculation=False)
+    assert again.stats.reused_tokens > 0
