@@ -580,7 +580,7 @@ def _run_all(jobs: list[Job], configs: list[str], repeats: int, generate, log, t
     runs = []
     try:
         for job, r, config in _interleaved(jobs, order, repeats):
-            run = companions[config](job) if config in companions else generate(job, config, job.max_new_tokens)
+            run = companions[config](job, r) if config in companions else generate(job, config, job.max_new_tokens)
             run.round = r
             runs.append(run)
             if on_run is not None:
@@ -651,18 +651,29 @@ def summarise(peer_runs: list[PeerRun], jobs: list[Job], best: dict) -> dict:
 
 
 def _companions(gen, best: dict) -> dict:
-    """Our runs to interleave with a peer's: plain decoding and the category's best configuration."""
+    """Our runs to interleave with a peer's: plain decoding and the category's best configuration.
+
+    Build them once per peer: each (label, category, round) drafts from its own cross-reply memory,
+    fresh for this peer, as in the bench's own rounds. A shared memory would replay the identical
+    replies the bench's runs (or the previous peer's companions) gave to the same prompts."""
+    from ..runtime.suffix import ReplyMemory
+    from ..runtime.suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
     from .configs import BenchConfig, parse_config_name
 
-    def run(job: Job, config: BenchConfig, label: str) -> PeerRun:
+    memories: dict[tuple[str, str, int], ReplyMemory] = {}
+
+    def run(job: Job, round_: int, config: BenchConfig, label: str) -> PeerRun:
+        gen.memory.replies = memories.setdefault((label, job.category, round_),
+                                                 ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS))
         result = gen.generate(input_ids=job.prompt_ids, config=config.generation_config(job.max_new_tokens))
         return PeerRun(job.workload, job.category, label, 0, list(result.token_ids), list(result.stats.token_times_s))
 
-    def best_run(job: Job) -> PeerRun:
+    def best_run(job: Job, round_: int) -> PeerRun:
         name = best.get(job.category, {}).get("config")
-        return run(job, parse_config_name(name) if name else BenchConfig(BASELINE), OURS_BEST)
+        return run(job, round_, parse_config_name(name) if name else BenchConfig(BASELINE), OURS_BEST)
 
-    return {OURS_BASELINE: lambda job: run(job, BenchConfig(BASELINE), OURS_BASELINE), OURS_BEST: best_run}
+    return {OURS_BASELINE: lambda job, round_: run(job, round_, BenchConfig(BASELINE), OURS_BASELINE),
+            OURS_BEST: best_run}
 
 
 def _run_record(r: PeerRun) -> dict:
@@ -684,7 +695,6 @@ def run_peers(settings: "BenchSettings", gen, workloads, our_runs, best: dict, l
     emit = on_event or (lambda event: None)
     reference = {r.workload: r.tokens for r in our_runs if r.config == BASELINE and r.round == 0}
     jobs = [Job(w.id, w.category, ids, max(1, len(reference[w.id])), reference[w.id]) for w, ids, _ in workloads]
-    companions = _companions(gen, best) if gen is not None else {}
     ctx_args = {"bundle": str(settings.bundle), "threads": settings.threads, "peer_options": settings.peer_options}
     results: dict = {}
     for peer in settings.peers:
@@ -692,6 +702,7 @@ def run_peers(settings: "BenchSettings", gen, workloads, our_runs, best: dict, l
             results[peer] = {"skipped": f"unknown peer {peer!r}; known: {', '.join(PEERS)}"}
             continue
         log.note(f"peer {peer}: starting its worker process")
+        companions = _companions(gen, best) if gen is not None else {}
         runs: list[PeerRun] = []
         with tempfile.TemporaryDirectory(prefix=f"specedge-peer-{peer}-") as tmp:
             worker = None
