@@ -415,8 +415,19 @@ def test_queue_full_is_429_and_a_waiting_client_that_leaves_frees_its_slot(gen, 
 
 
 def test_requests_are_served_first_come_first_served(gen, long_messages):
+    """Queued requests reach the Generator in arrival order. The order is recorded where the worker
+    starts each generation (server side), not where clients receive replies: client threads may
+    record their finish in either order when two short replies arrive close together."""
     srv = Served(create_app(gen, queue_size=4, warmup=False, model_name=MODEL))
-    finished: list[int] = []
+    started: list[tuple[int, ...]] = []
+    statuses: list[int] = []
+    stream = gen.stream
+
+    def recording_stream(*args, **kwargs):
+        started.append(tuple(kwargs["input_ids"]))
+        return stream(*args, **kwargs)
+
+    gen.stream = recording_stream
     try:
         with slowed(gen), httpx.Client(timeout=30) as http:
             body = {"messages": long_messages, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True,
@@ -429,15 +440,17 @@ def test_requests_are_served_first_come_first_served(gen, long_messages):
                 for i in range(3):  # queued one after another, while the worker is held
                     def post(i=i):
                         r = srv.post("/v1/chat/completions", {"messages": _chat(f"t{200 + i}"), "max_tokens": 3})
-                        assert r.status_code == 200
-                        finished.append(i)
+                        statuses.append(r.status_code)
                     waiters.append(threading.Thread(target=post))
                     waiters[-1].start()
                     srv.wait_for(lambda s, n=i + 1: s["waiting"] == n)
             for t in waiters:
                 t.join(30)
-        assert finished == [0, 1, 2]
+        assert statuses == [200, 200, 200]
+        queued = [tuple(gen.encode_prompt(messages=_chat(f"t{200 + i}"))) for i in range(3)]
+        assert started[1:] == queued  # after the long request, in the order they arrived
     finally:
+        del gen.stream  # back to the class's method
         srv.close()
 
 
