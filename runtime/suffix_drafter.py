@@ -82,8 +82,9 @@ class SuffixDrafter:
         self.local = SuffixTrie(depth)
         self._appender: Appender = self.local.start()
         self.last_source = "none"  # "local", "replies" or "none": where the last proposal came from
-        # The last best() answer, keyed by what decides it (context, k, what the local trie holds):
-        # lookup_tokens() and the propose() that follows it ask the same question.
+        # The last best() answer, keyed by what decides it (context, k, what the local trie holds;
+        # begin() starts a new trie and forgets it): lookup_tokens() and the propose() that follows
+        # it ask the same question.
         self._last: tuple[tuple, tuple[str, Chain]] | None = None
 
     def begin(self, prompt: np.ndarray) -> None:
@@ -126,7 +127,7 @@ class SuffixDrafter:
     def best(self, history: np.ndarray, k: int) -> tuple[str, Chain]:
         """(source, chain): the candidate with the most expected accepted tokens (local on a tie)."""
         context = np.asarray(history[-self.max_match:]).tolist()
-        key = (tuple(context), k, self._appender.length, id(self.local))
+        key = (tuple(context), k, self._appender.length)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         best = ("none", EMPTY_CHAIN)
