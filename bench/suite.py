@@ -2,7 +2,10 @@
 
 Each prompt has an ``id``, a ``category`` (one of CATEGORIES), a ``source`` and
 either ``prompt`` (a string; ``chat: false`` means a raw completion, no chat
-template) or ``messages`` (OpenAI-style role/content list).
+template) or ``messages`` (OpenAI-style role/content list). A prompt that comes back
+later in the same deployment (the ``repeat`` workload) names its first occurrence in
+``repeat_of``; selecting a subset keeps both, since a repeated question without its
+first occurrence measures nothing that category is for.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Workload:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     chat: bool = True
+    repeat_of: str | None = None  # id of an earlier prompt of the suite that this one repeats
 
     def encode(self, generator) -> tuple[list[int], bool]:
         """Prompt token ids through the bundle's tokenizer, and whether the chat template was used.
@@ -50,7 +54,12 @@ class Suite:
     categories: dict[str, str] = field(default_factory=dict)
 
     def select(self, categories: list[str] | None = None, per_category: int | None = None) -> list[Workload]:
-        """The first ``per_category`` prompts of each requested category, in suite order."""
+        """The first ``per_category`` prompts of each requested category, in suite order.
+
+        A prompt that repeats an earlier one (``repeat_of``) does not count towards
+        ``per_category``: it comes along, in suite order, when the prompt it repeats is
+        chosen, and is left out otherwise.
+        """
         wanted = list(categories) if categories else list(CATEGORIES)
         unknown = [c for c in wanted if c not in CATEGORIES]
         if unknown:
@@ -60,8 +69,10 @@ class Suite:
             raise InvalidParameterError(f"--prompts must be >= 1; got {per_category}")
         out = []
         for category in wanted:
-            chosen = [w for w in self.workloads if w.category == category]
-            out += chosen[:per_category] if per_category else chosen
+            in_category = [w for w in self.workloads if w.category == category]
+            firsts = [w for w in in_category if w.repeat_of is None]
+            kept = {w.id for w in (firsts[:per_category] if per_category else firsts)}
+            out += [w for w in in_category if (w.repeat_of or w.id) in kept]
         return out
 
 
@@ -90,8 +101,16 @@ def load_suite(path: str | Path = SUITE_PATH) -> Suite:
         if has_messages and not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                     and isinstance(m.get("content"), str) for m in p["messages"]):
             raise InvalidParameterError(f"{where}: every message needs string 'role' and 'content'")
+        repeat_of = p.get("repeat_of")
+        if repeat_of is not None:
+            original = next((w for w in workloads if w.id == repeat_of), None)
+            if original is None or original.category != p["category"]:
+                raise InvalidParameterError(f"{where}: 'repeat_of' must name an earlier prompt of the same category")
+            if original.repeat_of is not None:
+                raise InvalidParameterError(f"{where}: 'repeat_of' must name a first occurrence, "
+                                            f"not another repeat ({repeat_of})")
         workloads.append(Workload(id=p["id"], category=p["category"], source=p["source"], kind=p.get("kind", ""),
                                   prompt=p.get("prompt"),
                                   messages=tuple(p["messages"]) if has_messages else None,
-                                  chat=bool(p.get("chat", True))))
+                                  chat=bool(p.get("chat", True)), repeat_of=repeat_of))
     return Suite(doc.get("name", path.stem), workloads, dict(doc.get("categories", {})))

@@ -194,6 +194,36 @@ def test_suite_selection_takes_the_first_n_per_category(tmp_path):
         load_suite(bad)
 
 
+def test_a_repeated_question_comes_along_with_its_first_occurrence(tmp_path):
+    suite = load_suite()
+    repeats = [w for w in suite.workloads if w.repeat_of]
+    assert repeats and all(w.category == "repeat" for w in repeats)
+    # --prompts 1 on `repeat` used to pick one cold question and never its return.
+    assert [w.id for w in suite.select(["repeat"], 1)] == ["repeat-hours", "repeat-hours-again"]
+    two = [w.id for w in suite.select(["repeat"], 2)]
+    assert two == ["repeat-hours", "repeat-price", "repeat-hours-again", "repeat-price-again"]
+    everything = suite.select(["repeat"])
+    assert len(everything) == len([w for w in suite.workloads if w.category == "repeat"])
+    for w in everything:
+        if w.repeat_of:
+            original = next(o for o in everything if o.id == w.repeat_of)
+            assert original.messages == w.messages  # the same question, asked again
+            assert everything.index(original) < everything.index(w)
+
+    def write(prompts):
+        path = tmp_path / "suite.json"
+        path.write_text(json.dumps({"prompts": prompts}))
+        return path
+
+    first = {"id": "a", "category": "repeat", "source": "s", "prompt": "p"}
+    with pytest.raises(InvalidParameterError, match="'repeat_of' must name an earlier prompt"):
+        load_suite(write([{**first, "id": "b", "repeat_of": "a"}, first]))
+    with pytest.raises(InvalidParameterError, match="'repeat_of' must name an earlier prompt of the same category"):
+        load_suite(write([{**first, "category": "chat"}, {**first, "id": "b", "repeat_of": "a"}]))
+    with pytest.raises(InvalidParameterError, match="not another repeat"):
+        load_suite(write([first, {**first, "id": "b", "repeat_of": "a"}, {**first, "id": "c", "repeat_of": "b"}]))
+
+
 def test_progress_bar_writes_to_its_stream_only_when_enabled():
     stream = io.StringIO()
     bar = Progress(4, stream=stream, every=2)
