@@ -16,6 +16,7 @@ key                         type                                        written 
 ``export_seconds``          float                                        export
 ``cost_profile``            :class:`CostProfile`                         ``specedge tune`` / ``--tune``
 ``engines``                 role -> :class:`EngineRecord`                ``export --engine tensorrt``
+``quant_tuning``            role -> :class:`QuantTuning`                 ``export --tune`` (block size)
 ==========================  ==========================================  ================================
 
 An unknown key, or a malformed value, is a :class:`~specedge.errors.ManifestError` (a
@@ -235,6 +236,76 @@ class ExactSteps:
                       for k in ("two_row_step_cost", "one_row_step_ms")})
 
 
+# --------------------------------------------------------------------------- quantization tuning
+
+
+@dataclass(frozen=True)
+class BlockCandidate:
+    """One block size measured by ``export --tune`` (export/tune.py)."""
+
+    block_size: int
+    exact_step_ms: float  # median 1-token step through the batch-invariant engine (2 rows)
+    verify_ms: float  # median 5-token verify
+    greedy_agreement: float  # share of fp32 greedy tokens this graph's argmax reproduces, teacher-forced
+
+    FIELDS = ("block_size", "exact_step_ms", "verify_ms", "greedy_agreement")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "BlockCandidate":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.FIELDS, where)
+        block = read_field(obj, "block_size", where, int)
+        if block < 16 or block & (block - 1):
+            raise ManifestError(f"manifest field '{where}.block_size' must be a power of two >= 16, got {block}")
+        times = {k: finite(read_field(obj, k, where, (int, float)), dotted(where, k))
+                 for k in ("exact_step_ms", "verify_ms")}
+        if min(times.values()) <= 0:
+            raise ManifestError(f"manifest field '{where}' needs positive step times, got {times}")
+        return cls(block_size=block, greedy_agreement=_fraction(read_field(obj, "greedy_agreement", where,
+                                                                           (int, float)),
+                                                                f"{where}.greedy_agreement"), **times)
+
+
+@dataclass(frozen=True)
+class QuantTuning:
+    """The block-size choice ``export --tune`` made for one quantized model, and what it measured."""
+
+    machine: MachineFingerprint  # where it was measured (threads: the timing sessions' intra-op threads)
+    candidates: tuple[BlockCandidate, ...]
+    chosen: int  # the block size the bundle's graph was quantized with
+    positions: int  # fp32 greedy tokens the agreement was measured on
+    context: int  # cached positions of the timed steps
+
+    def candidate(self, block_size: int) -> BlockCandidate:
+        return next(c for c in self.candidates if c.block_size == block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
+                "chosen": self.chosen, "positions": self.positions, "context": self.context}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "QuantTuning":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("machine", "candidates", "chosen", "positions", "context"), where)
+        raw = read_field(obj, "candidates", where, list)
+        if not raw:
+            raise ManifestError(f"manifest field '{where}.candidates' must list at least one block size")
+        candidates = tuple(BlockCandidate.from_dict(c, f"{where}.candidates[{i}]") for i, c in enumerate(raw))
+        chosen = read_field(obj, "chosen", where, int)
+        if chosen not in {c.block_size for c in candidates}:
+            raise ManifestError(f"manifest field '{where}.chosen' is {chosen}, which is not among the measured "
+                                f"block sizes {[c.block_size for c in candidates]}")
+        counts = {k: read_field(obj, k, where, int) for k in ("positions", "context")}
+        for key, value in counts.items():
+            if value < 1:
+                raise ManifestError(f"manifest field '{where}.{key}' must be >= 1, got {value}")
+        return cls(machine=MachineFingerprint.from_dict(read_field(obj, "machine", where, dict), f"{where}.machine"),
+                   candidates=candidates, chosen=chosen, **counts)
+
+
 # --------------------------------------------------------------------------- TensorRT engine records
 
 
@@ -407,9 +478,10 @@ class ManifestExtra:
     export_seconds: float | None = None
     cost_profile: CostProfile | None = None
     engines: dict[str, EngineRecord] = field(default_factory=dict)
+    quant_tuning: dict[str, QuantTuning] = field(default_factory=dict)
 
     KEYS = ("validation", "batch_variance", "exact_steps", "context_warnings", "unknown_config_fields",
-            "export_seconds", "cost_profile", "engines")
+            "export_seconds", "cost_profile", "engines", "quant_tuning")
 
     def target_batch_variance(self) -> float | None:
         """The target's measured batch variance (the near-tie gap's basis), None when not recorded."""
@@ -433,6 +505,8 @@ class ManifestExtra:
             out["cost_profile"] = self.cost_profile.to_dict()
         if self.engines:
             out["engines"] = {role: r.to_dict() for role, r in self.engines.items()}
+        if self.quant_tuning:
+            out["quant_tuning"] = {role: r.to_dict() for role, r in self.quant_tuning.items()}
         return out
 
     @classmethod
@@ -461,6 +535,7 @@ class ManifestExtra:
                 check_type(name, f"{where}.unknown_config_fields.{role}[{i}]", str)
         seconds = read_field(obj, "export_seconds", where, (int, float), optional=True)
         engines = _role_map(sub("engines"), f"{where}.engines")
+        tuning = _role_map(sub("quant_tuning"), f"{where}.quant_tuning")
         profile = obj.get("cost_profile")
         return cls(
             validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
@@ -471,4 +546,5 @@ class ManifestExtra:
             export_seconds=finite(seconds, f"{where}.export_seconds") if seconds is not None else None,
             cost_profile=CostProfile.from_dict(profile, f"{where}.cost_profile") if profile is not None else None,
             engines={role: EngineRecord.from_dict(v, f"{where}.engines.{role}") for role, v in engines.items()},
+            quant_tuning={role: QuantTuning.from_dict(v, f"{where}.quant_tuning.{role}") for role, v in tuning.items()},
         )

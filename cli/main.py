@@ -133,7 +133,9 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="Largest prompt + generation, in tokens. Sizes the preallocated KV cache.")
 @click.option("--max-draft-tokens", type=int, default=8, show_default=True,
               help="Largest k; a verify step scores up to k+1 tokens.")
-@click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
+@click.option("--block-size", type=int, default=None,
+              help="Quantization block size (int4/int8). Default 32; with --tune, the one of 32/64/128 whose "
+              "exact step is fastest on this machine without lower greedy agreement with fp32.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
@@ -147,8 +149,10 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="ort-trt: ONNX Runtime's TensorRT EP engine cache; native: a TensorRT plan (tensorrt + cuda-python).")
 @click.option("--trt-precision", type=click.Choice(BUILD_PRECISIONS), default="fp16", show_default=True,
               help="Precision of the TensorRT engines.")
-@click.option("--tune", is_flag=True, help="Time draft/target steps and v(k) on this machine and record the "
-              "cost profile in the manifest, so the adaptive controller starts informed.")
+@click.option("--tune", is_flag=True, help="Measure this machine: for an int4/int8 target without --block-size, "
+              "quantize at block 32, 64 and 128 and keep the fastest that agrees with fp32 as often as block 32 "
+              "(a few minutes more); then time draft/target steps and v(k) and record the cost profile, so the "
+              "adaptive controller starts informed. Both records name this machine (`specedge info`).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
@@ -170,7 +174,8 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
     manifest = export_bundle(ExportConfig(
         target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
         draft_layers=draft_layers, draft_vocab=draft_vocab,
-        max_context=max_context, max_draft_tokens=max_draft_tokens, block_size=block_size,
+        max_context=max_context, max_draft_tokens=max_draft_tokens,
+        block_size=32 if block_size is None else block_size, tune_block_size=tune and block_size is None,
         accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
         quiet=quiet))
     if engine == "tensorrt":
@@ -323,6 +328,8 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool, cache_slots: in
     click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
                f"adaptive {s.adaptive}")
     click.echo("  tuning: " + _tuning_line(manifest.extra))
+    for role, tuning in manifest.extra.quant_tuning.items():
+        click.echo(f"  {role} block size: " + _quant_tuning_line(tuning))
     draft = f" + draft {_mb(cost.draft_bytes)}" if cost.draft_bytes else ""
     click.echo(f"  conversation cache: {_mb(cost.bytes)} per slot (target {_mb(cost.target_bytes)}{draft} at "
                f"max_context {cost.max_context}); {cache_slots} slot{'s' * (cache_slots != 1)} "
@@ -348,6 +355,27 @@ def _tuning_line(extra) -> str:
         return f"step costs measured on this machine ({where})"
     return (f"tuned elsewhere ({where}); this machine is {here.cpu}, {here.cores} cores: the recorded "
             "step costs are ignored here and re-measured at warm-up (`specedge tune BUNDLE` records them)")
+
+
+def _quant_tuning_line(tuning) -> str:
+    """What ``export --tune`` chose for one model (``tuning`` a QuantTuning), and whether it was chosen here."""
+    from ..bundle_extra import MachineFingerprint
+
+    chosen, default = tuning.candidate(tuning.chosen), min(tuning.candidates, key=lambda c: c.block_size)
+    taken = tuning.machine
+    line = (f"{chosen.block_size}, chosen by export --tune on {taken.cpu} ({taken.cores} cores): exact step "
+            f"{chosen.exact_step_ms:.1f} ms")
+    if chosen is not default:
+        line += (f" vs {default.exact_step_ms:.1f} ms at block {default.block_size}, greedy agreement with fp32 "
+                 f"{chosen.greedy_agreement:.3f} vs {default.greedy_agreement:.3f}")
+    else:
+        line += f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (no coarser block was faster and as faithful)"
+    line += f" over {tuning.positions} tokens"
+    here = MachineFingerprint.here(taken.threads)
+    if (here.cpu, here.cores) != (taken.cpu, taken.cores):
+        line += (f"; tuned elsewhere: this machine is {here.cpu}, {here.cores} cores (the bundle runs as is; "
+                 "re-export with --tune here to choose for this CPU)")
+    return line
 
 
 # ----------------------------------------------------------------------------- demo

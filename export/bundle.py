@@ -15,11 +15,12 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from .. import __version__
-from ..bundle_extra import ComparisonRecord, ManifestExtra, ValidationRecord
+from ..bundle_extra import ComparisonRecord, ManifestExtra, QuantTuning, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
@@ -31,6 +32,7 @@ SELF_DRAFTS = ("self-int4", "self-int8")
 # 0..15, and the exact-steps check needs a prefix plus a 5-token verify below max_context.
 MIN_CONTEXT = 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+QUANTIZED = ("int4", "int8")  # weight-only MatMulNBits precisions: the ones with a block size to tune
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class ExportConfig:
     trust_pickle: bool = False
     overwrite: bool = False
     quiet: bool = False
+    # Quantized targets: quantize at every export/tune.py CANDIDATE_BLOCKS size and keep the one that
+    # steps fastest on this machine without losing greedy agreement with fp32 (block_size is then unused).
+    tune_block_size: bool = False
+    tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
@@ -82,6 +88,11 @@ class _Progress:
             print(f"[{self.step}/{self.total}] {msg}  (t={time.perf_counter() - self.t0:.0f}s)", file=sys.stderr,
                   flush=True)
 
+    def note(self, msg: str) -> None:
+        """A line within the current stage (does not advance the stage count)."""
+        if not self.quiet:
+            print(f"      {msg}  (t={time.perf_counter() - self.t0:.0f}s)", file=sys.stderr, flush=True)
+
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -101,11 +112,13 @@ def _entry(spec, *, graph: str, data_files: list[str], source: str, precision: s
 class _ModelExporter:
     """Exports one loaded model into ``root/<role>/`` at one or more precisions."""
 
-    def __init__(self, root: Path, loaded, config: ExportConfig, tokenizer_sha256: str) -> None:
+    def __init__(self, root: Path, loaded, config: ExportConfig, tokenizer_sha256: str,
+                 progress: Callable[[str], None] = lambda _: None) -> None:
         from .features import check_context, validation_edges
         from .weights import extract
 
         self.root = root
+        self.progress = progress  # lines within the current export stage
         self.loaded = loaded
         self.config = config
         self.tokenizer_sha256 = tokenizer_sha256
@@ -118,6 +131,7 @@ class _ModelExporter:
         self.io = ModelIO()  # the tensor names the graphs are built with and the manifest records
         self.reports: dict[str, ValidationRecord | ComparisonRecord] = {}  # "role:label" -> record
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
+        self.quant_tuning: dict[str, QuantTuning] = {}  # role -> the block-size choice (export --tune)
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
         """Spec and weights of an early-exit and/or vocabulary-truncated copy of this model."""
@@ -133,7 +147,7 @@ class _ModelExporter:
         return spec, weights
 
     def _write(self, role: str, precision: str, source: str, *, layers: int | None = None,
-               head_ids: np.ndarray | None = None) -> ModelEntry:
+               head_ids: np.ndarray | None = None, tune_block_size: bool = False) -> ModelEntry:
         from .graph import build_decoder
         from .quantize import QuantConfig, quantize_graph
         from .validate import (FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, batch_variance, compare_graphs,
@@ -170,14 +184,50 @@ class _ModelExporter:
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:fp32-untied"] = validate_graph(
             self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
-        quant = QuantConfig(bits=4 if precision == "int4" else 8, block_size=cfg.block_size,
-                            accuracy_level=cfg.accuracy_level)
-        files = quantize_graph(src_graph, graph, quant)
+        bits = 4 if precision == "int4" else 8
+        if tune_block_size:
+            files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
+                                             head_file)
+        else:
+            files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
+                                                                 accuracy_level=cfg.accuracy_level))
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
         self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)
         return entry
+
+    def _tuned_quantization(self, role: str, src_entry: ModelEntry, src_graph: Path, graph: Path, bits: int,
+                            source: str, precision: str, spec, head_file: Path | None) -> list[Path]:
+        """Quantize ``src_graph`` at every candidate block size, keep the one export/tune.py chooses
+        (moved to ``graph``), record the measurements in ``self.quant_tuning[role]``."""
+        from .quantize import QuantConfig, quantize_graph
+        from .tune import CANDIDATE_BLOCKS, Candidate, calibration_prompts, tune_block_size
+
+        cfg = self.config
+        scratch = src_graph.parent
+        candidates, files = [], {}
+        for block in CANDIDATE_BLOCKS:
+            folder = scratch / f"block{block}"
+            folder.mkdir()
+            self.progress(f"tune: quantizing {role} at block {block}")
+            files[block] = quantize_graph(src_graph, folder / graph.name,
+                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level))
+            entry = self._entry(role, files[block], source, precision, "float32", spec=spec, head_file=head_file)
+            candidates.append(Candidate(block, entry, files[block][0]))
+        prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
+                                      src_entry.max_context)
+        tuning = tune_block_size(candidates, src_entry, src_graph, prompts, threads=cfg.tune_threads,
+                                 progress=self.progress)
+        self.quant_tuning[role] = tuning
+        measured = "; ".join(f"block {c.block_size}: step {c.exact_step_ms:.1f} ms, agreement {c.greedy_agreement:.3f}"
+                             for c in tuning.candidates)
+        self.progress(f"tune: {role} keeps block {tuning.chosen} ({measured})")
+        out = []
+        for path in files[tuning.chosen]:  # the graph keeps its data file's name: moved together, it still loads
+            out.append(graph.parent / path.name)
+            os.replace(path, out[-1])
+        return out
 
     def _entry(self, role: str, files: list[Path], source: str, precision: str, kv_dtype: str, *, spec=None,
                head_file: Path | None = None) -> ModelEntry:
@@ -290,10 +340,12 @@ def export_bundle(config: ExportConfig) -> Manifest:
         tokenizer = _save_tokenizer(target_loaded.tokenizer, tmp)
         target_vocab = target_loaded.tokenizer.get_vocab()
         progress(f"building + validating target graph ({config.precision})")
-        target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256)
-        target = target_exp._write("target", config.precision, target_loaded.source)
+        target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256, progress.note)
+        target = target_exp._write("target", config.precision, target_loaded.source,
+                                   tune_block_size=config.tune_block_size and config.precision in QUANTIZED)
         reports = dict(target_exp.reports)
         variance = dict(target_exp.batch_variance)
+        quant_tuning = dict(target_exp.quant_tuning)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
         unknown = {"target": tuple(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
@@ -353,7 +405,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                             max_draft_tokens=config.max_draft_tokens),
             files=files, created_by=f"specedge {__version__}",
             extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
-                                context_warnings=warned, unknown_config_fields=unknown,
+                                quant_tuning=quant_tuning, context_warnings=warned, unknown_config_fields=unknown,
                                 export_seconds=round(time.perf_counter() - started, 1)),
         )
         write_manifest(tmp, manifest)

@@ -15,8 +15,9 @@ from dataclasses import replace
 
 import pytest
 
-from specedge.bundle_extra import (ComparisonRecord, CostProfile, EngineRecord, ExactSteps, MachineFingerprint,
-                                   ManifestExtra, Profile, ShapeRange, ValidationRecord)
+from specedge.bundle_extra import (BlockCandidate, ComparisonRecord, CostProfile, EngineRecord, ExactSteps,
+                                   MachineFingerprint, ManifestExtra, Profile, QuantTuning, ShapeRange,
+                                   ValidationRecord)
 from specedge.errors import BundleError, ManifestError, UnsafePathError
 from specedge.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
 from tiny_models import manifest_json
@@ -29,6 +30,9 @@ ENGINE = EngineRecord(route="native", tensorrt_version="10.3.0", gpu_name="NVIDI
                       precision="fp16", profiles=(Profile("step", SHAPES, {"num_logits_to_keep": ShapeRange((1,), (5,),
                                                                                                             (9,))}),),
                       file="target/model.plan", sha256="ab" * 32, cache_key="k")
+TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979),
+                                                  BlockCandidate(128, 55.2, 98.4, 0.986)),
+                      chosen=128, positions=144, context=256)
 EXTRA = ManifestExtra(
     validation={"target:fp32": ValidationRecord({"prefill": 1e-5, "verify across edge 32": 2e-5}, 0.01, 1.0),
                 "draft:int4-vs-fp32": ComparisonRecord(top1_agreement=0.9, max_abs_diff=0.3)},
@@ -36,7 +40,7 @@ EXTRA = ManifestExtra(
     exact_steps={"target": ExactSteps(bit_identical=True, two_row_step_cost=1.05, one_row_step_ms=3.2)},
     context_warnings={"target": "max_context 4096 is past the 2048 positions it was trained on"},
     unknown_config_fields={"target": ("made_up_feature",)},
-    export_seconds=12.5, cost_profile=PROFILE, engines={"target": ENGINE})
+    export_seconds=12.5, cost_profile=PROFILE, engines={"target": ENGINE}, quant_tuning={"target": TUNING})
 
 
 # --------------------------------------------------------------------------- round trips
@@ -45,6 +49,7 @@ EXTRA = ManifestExtra(
 @pytest.mark.parametrize("value", [MACHINE, PROFILE, replace(PROFILE, draft_token_s=None, draft_catchup_token_s=None),
                                    EXTRA.validation["target:fp32"], EXTRA.validation["draft:int4-vs-fp32"],
                                    EXTRA.exact_steps["target"], SHAPES["input_ids"], ENGINE.profiles[0], ENGINE,
+                                   TUNING, TUNING.candidates[0],
                                    EXTRA, ManifestExtra()],
                          ids=lambda v: type(v).__name__)
 def test_every_record_round_trips_through_json(value):
@@ -139,6 +144,20 @@ MALFORMED = [
     ("engines.target.profiles.0.tactics", [], r"'extra.engines.target.profiles\[0\].tactics' is not part of"),
     ("engines.target.provider_options", {"trt_fp16_enable": True}, r"must map names to strings"),
     ("engines.target.builder", "me", r"'extra.engines.target.builder' is not part of the schema"),
+    ("quant_tuning", [], r"'extra.quant_tuning' must be an object keyed by model role"),
+    ("quant_tuning.verifier", {}, r"'extra.quant_tuning' has key 'verifier'; keys are model roles"),
+    ("quant_tuning.target.chosen", 64, r"'extra.quant_tuning.target.chosen' is 64, which is not among the measured "
+                                       r"block sizes \[32, 128\]"),
+    ("quant_tuning.target.candidates", [], r"'extra.quant_tuning.target.candidates' must list at least one"),
+    ("quant_tuning.target.candidates.0.block_size", 48, r"'extra.quant_tuning.target.candidates\[0\].block_size' "
+                                                        r"must be a power of two >= 16"),
+    ("quant_tuning.target.candidates.0.greedy_agreement", 1.2, r"'extra.quant_tuning.target.candidates\[0\]"
+                                                               r".greedy_agreement' must be a fraction"),
+    ("quant_tuning.target.candidates.1.exact_step_ms", 0, r"'extra.quant_tuning.target.candidates\[1\]' needs "
+                                                          r"positive step times"),
+    ("quant_tuning.target.positions", 0, r"'extra.quant_tuning.target.positions' must be >= 1"),
+    ("quant_tuning.target.machine.cpu", 7, r"'extra.quant_tuning.target.machine.cpu' must be str"),
+    ("quant_tuning.target.seed", 1, r"'extra.quant_tuning.target.seed' is not part of the schema"),
 ]
 
 
@@ -158,6 +177,8 @@ def test_each_malformed_field_is_refused_naming_it(path, value, match):
     ("cost_profile.target_s.1", r"'extra.cost_profile.target_s' lacks '1'"),
     ("exact_steps.target.one_row_step_ms", r"'extra.exact_steps.target.one_row_step_ms' is missing"),
     ("engines.target.gpu_name", r"'extra.engines.target.gpu_name' is missing"),
+    ("quant_tuning.target.candidates.0.greedy_agreement", r"'extra.quant_tuning.target.candidates\[0\]"
+                                                          r".greedy_agreement' is missing"),
     # Without a tolerance it reads as a comparison, whose max_abs_diff is one number.
     ("validation.target:fp32.tolerance", r"'extra.validation.target:fp32.max_abs_diff' must be int or float"),
 ])

@@ -1,0 +1,181 @@
+"""Choose a quantized target's block size on this machine (``specedge export --tune``).
+
+Issue #16: which int4 layout is fastest depends on the CPU (on the AVX2 and AVX-512 EPYC boxes
+block 128 gave the fastest step, docs/results/2026-12-02-qwen-variants*.md), while a coarser
+block may cost greedy agreement with the full-precision model. So the exporter quantizes the
+validated fp32 graph at each candidate block size and measures, for each:
+
+* **the exact plain step**: a 1-token step through :class:`~specedge.engines.invariant.
+  BatchInvariantEngine` (2 rows, what plain decoding pays per token, engines/invariant.py) at
+  ``TIMING_CONTEXT`` cached positions, and a 5-token verify, as medians over repetitions that
+  rotate through the candidates (so drift on a shared machine hits them alike);
+* **greedy agreement with fp32**: the fp32 graph decodes greedily from a few fixed prompts,
+  then each candidate reads prompt + continuation in one forward; the agreement is the share
+  of continuation positions where its argmax is fp32's token. That is the quantity a near
+  tie flips, on the model's own output rather than on random ids.
+
+The rule (:func:`choose`): among candidates whose agreement is at least the finest block's
+(the untuned default), the one with the fastest exact step, if it beats the default's by more
+than ``MIN_GAIN``; otherwise the default. The measurements and the choice go into the
+manifest (``extra.quant_tuning``) with the machine they were taken on; ``specedge info`` says
+when a bundle was tuned elsewhere (it still runs there: a block size is only a speed choice).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..bundle_extra import BlockCandidate, MachineFingerprint, QuantTuning
+from ..errors import InvalidParameterError
+from ..manifest import ModelEntry
+
+CANDIDATE_BLOCKS = (32, 64, 128)  # MatMulNBits block sizes; 16 was slower everywhere we measured
+# Cached positions for the timed steps: a short chat turn. Attention is a small share of an int4
+# step at this length (4-8% in docs/results/2026-12-03-profile-qwen-int4-avx512.md), so the
+# matmul layout, which is what differs between candidates, dominates the comparison.
+TIMING_CONTEXT = 256
+TIMING_REPS = 15  # per candidate; medians of 15 rotated runs moved < 2% between repeats on a quiet box
+VERIFY_TOKENS = 5
+# A coarser block must be faster than the default by more than this to be chosen: paired medians on a
+# quiet 2-core box moved 1-2% between runs, so a smaller gain could be noise, and the default is
+# the layout that every other measurement of the bundle family was taken on.
+MIN_GAIN = 0.03
+CONTINUATION_TOKENS = 48  # greedy tokens per calibration prompt
+MAX_PROMPT_TOKENS = 192
+# Fixed calibration prompts: prose, an instruction, code. Plain text (no chat template), so every
+# tokenizer reads them the same way.
+CALIBRATION_TEXTS = (
+    "The harbour master keeps a log of every ship that enters the port. On a busy morning the log "
+    "records the name of the vessel, its cargo, the berth it was given and the time it tied up. ",
+    "Explain in three short sentences why a cache makes repeated requests faster, and when it does not.",
+    "def moving_average(values, window):\n    \"\"\"Mean of each run of `window` consecutive values.\"\"\"\n",
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One quantized graph under test."""
+
+    block_size: int
+    entry: ModelEntry
+    graph: Path
+
+
+def calibration_prompts(encode: Callable[[str], list[int]], vocab_size: int, max_context: int) -> list[np.ndarray]:
+    """Token ids of :data:`CALIBRATION_TEXTS` (ids outside the graph's vocabulary dropped), each
+    cut so that prompt + continuation fits in ``max_context``."""
+    room = max(1, min(MAX_PROMPT_TOKENS, max_context - CONTINUATION_TOKENS - 1))
+    prompts = []
+    for text in CALIBRATION_TEXTS:
+        ids = [i for i in encode(text) if 0 <= i < vocab_size][-room:]
+        if ids:
+            prompts.append(np.asarray(ids, np.int64))
+    if not prompts:
+        raise InvalidParameterError("the tokenizer maps none of the calibration text into the model's vocabulary")
+    return prompts
+
+
+def greedy_references(entry: ModelEntry, graph: Path, prompts: list[np.ndarray],
+                      tokens: int = CONTINUATION_TOKENS) -> list[np.ndarray]:
+    """fp32 greedy continuations (int64 ``[tokens]``) of each prompt, one 1-token step at a time."""
+    from ..engines.ort import OrtEngine
+
+    engine = OrtEngine(entry, graph)
+    out = []
+    for prompt in prompts:
+        kv = engine.new_cache()
+        logits = engine.forward(prompt, kv)
+        continuation = []
+        for _ in range(tokens):
+            token = int(np.argmax(logits[-1]))
+            continuation.append(token)
+            logits = engine.forward(np.asarray([token], np.int64), kv)
+        out.append(np.asarray(continuation, np.int64))
+    return out
+
+
+def greedy_agreement(entry: ModelEntry, graph: Path, prompts: list[np.ndarray],
+                     references: list[np.ndarray]) -> float:
+    """Share of reference positions where this graph's argmax, fed the same prefix, is the reference token."""
+    from ..engines.ort import OrtEngine
+
+    engine = OrtEngine(entry, graph)
+    hits = total = 0
+    for prompt, reference in zip(prompts, references):
+        ids = np.concatenate([prompt, reference[:-1]])
+        # Row j predicts the token after ids[len(prompt) - 1 + j], i.e. reference[j].
+        logits = engine.forward(ids, engine.new_cache(), num_logits=len(reference))
+        hits += int((logits.argmax(-1) == reference).sum())
+        total += len(reference)
+    return hits / total
+
+
+def time_steps(candidates: list[Candidate], *, threads: int = 0, context: int = TIMING_CONTEXT,
+               reps: int = TIMING_REPS, seed: int = 3) -> dict[int, tuple[float, float]]:
+    """block size -> (exact 1-token step ms, 5-token verify ms), medians over ``reps`` rotated rounds."""
+    from ..engines.base import EngineOptions
+    from ..engines.invariant import BatchInvariantEngine
+    from ..engines.ort import OrtEngine
+
+    rng = np.random.default_rng(seed)
+    opened = []
+    for c in candidates:
+        engine = BatchInvariantEngine(OrtEngine(c.entry, c.graph, EngineOptions(intra_op_threads=threads)))
+        kv = engine.new_cache()
+        fill = max(2, min(context, c.entry.max_context - VERIFY_TOKENS - 1))
+        engine.forward(rng.integers(0, c.entry.vocab_size, fill).astype(np.int64), kv)
+        opened.append((c, engine, kv))
+    one = np.asarray([1], np.int64)
+    verify = np.arange(1, VERIFY_TOKENS + 1, dtype=np.int64)
+    steps: dict[int, list[float]] = {c.block_size: [] for c in candidates}
+    verifies: dict[int, list[float]] = {c.block_size: [] for c in candidates}
+    for _, engine, kv in opened:  # warm-up: first runs allocate and prepack
+        for ids in (one, verify, one):
+            engine.forward(ids, kv, num_logits=len(ids))
+            kv.rewind(len(ids))
+    for r in range(reps):
+        shift = r % len(opened)
+        for c, engine, kv in opened[shift:] + opened[:shift]:
+            for ids, into in ((one, steps), (verify, verifies)):
+                t0 = time.perf_counter()
+                engine.forward(ids, kv, num_logits=len(ids))
+                into[c.block_size].append(time.perf_counter() - t0)
+                kv.rewind(len(ids))
+    return {b: (statistics.median(steps[b]) * 1e3, statistics.median(verifies[b]) * 1e3) for b in steps}
+
+
+def choose(candidates: tuple[BlockCandidate, ...]) -> int:
+    """The block size to ship (module docstring): the fastest exact step among candidates at least as
+    faithful to fp32 as the finest block, if it gains more than ``MIN_GAIN``; else the finest block."""
+    if not candidates:
+        raise InvalidParameterError("no block-size candidates to choose from")
+    default = min(candidates, key=lambda c: c.block_size)
+    faithful = [c for c in candidates if c.greedy_agreement >= default.greedy_agreement]
+    fastest = min(faithful, key=lambda c: (c.exact_step_ms, c.block_size))
+    return fastest.block_size if fastest.exact_step_ms < default.exact_step_ms * (1 - MIN_GAIN) else default.block_size
+
+
+def tune_block_size(candidates: list[Candidate], reference_entry: ModelEntry, reference_graph: Path,
+                    prompts: list[np.ndarray], *, threads: int = 0,
+                    progress: Callable[[str], None] = lambda _: None) -> QuantTuning:
+    """Measure every candidate (module docstring) and return the record with the choice."""
+    progress("tune: fp32 greedy reference")
+    references = greedy_references(reference_entry, reference_graph, prompts)
+    agreement = {}
+    for c in candidates:
+        progress(f"tune: greedy agreement, block {c.block_size}")
+        agreement[c.block_size] = greedy_agreement(c.entry, c.graph, prompts, references)
+    progress("tune: timing exact steps")
+    timings = time_steps(candidates, threads=threads)
+    measured = tuple(BlockCandidate(block_size=c.block_size, exact_step_ms=round(timings[c.block_size][0], 3),
+                                    verify_ms=round(timings[c.block_size][1], 3),
+                                    greedy_agreement=round(agreement[c.block_size], 4))
+                     for c in candidates)
+    return QuantTuning(machine=MachineFingerprint.here(threads), candidates=measured, chosen=choose(measured),
+                       positions=sum(len(r) for r in references), context=TIMING_CONTEXT)

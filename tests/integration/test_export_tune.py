@@ -1,0 +1,94 @@
+"""``export --tune`` on a quantized target: the block size is measured and chosen on this machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specedge.bundle_extra import MachineFingerprint
+from specedge.cli.main import main
+from specedge.export.tune import CANDIDATE_BLOCKS, choose
+from specedge.manifest import load_manifest
+
+from tiny_models import PROMPT_IDS
+
+
+@pytest.fixture(scope="module")
+def tuned_bundle(tiny_model, export):
+    return export(tiny_model("llama"), precision="int4", tune_block_size=True)
+
+
+def _block_sizes(graph) -> set[int]:
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    return {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+
+
+def test_the_tuned_target_is_quantized_at_the_recorded_choice(tuned_bundle):
+    manifest = load_manifest(tuned_bundle)
+    tuning = manifest.extra.quant_tuning["target"]
+    assert [c.block_size for c in tuning.candidates] == list(CANDIDATE_BLOCKS)
+    assert tuning.chosen == choose(tuning.candidates)
+    assert _block_sizes(tuned_bundle / manifest.target.graph) == {tuning.chosen}
+    for c in tuning.candidates:
+        assert c.exact_step_ms > 0 and c.verify_ms > 0 and 0 <= c.greedy_agreement <= 1
+    assert tuning.machine == MachineFingerprint.here(0)
+    assert tuning.positions > 0
+    # Only the chosen graph is in the bundle: the candidates' scratch folders are gone.
+    assert sorted(p.name for p in (tuned_bundle / "target").iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert not [p for p in tuned_bundle.iterdir() if p.name.startswith(".")]
+
+
+def test_a_tuned_bundle_decodes_exactly(tuned_bundle, load_generator):
+    from specedge.runtime.options import GenerationConfig
+
+    gen = load_generator(tuned_bundle)
+    plain = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, speculation=False))
+    spec = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, drafter="ngram",
+                                                                     draft_tokens=3))
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 1
+
+
+def test_info_says_what_was_chosen_and_where(tuned_bundle, monkeypatch):
+    tuning = load_manifest(tuned_bundle).extra.quant_tuning["target"]
+    out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
+    assert out.exit_code == 0, out.output
+    line = next(l for l in out.output.splitlines() if "target block size" in l)
+    assert f"block size: {tuning.chosen}, chosen by export --tune on {tuning.machine.cpu}" in line
+    assert "tuned elsewhere" not in line
+
+    monkeypatch.setattr(MachineFingerprint, "here", classmethod(lambda cls, threads: cls("Other CPU 9000", 64, threads)))
+    out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
+    line = next(l for l in out.output.splitlines() if "target block size" in l)
+    assert "tuned elsewhere: this machine is Other CPU 9000, 64 cores (the bundle runs as is" in line
+
+    described = json.loads(CliRunner().invoke(main, ["info", str(tuned_bundle), "--json"]).output)
+    assert described["extra"]["quant_tuning"]["target"]["chosen"] == tuning.chosen
+
+
+def test_an_explicit_block_size_is_not_tuned(tiny_model, export):
+    bundle = export(tiny_model("llama"), precision="int4", block_size=64)
+    manifest = load_manifest(bundle)
+    assert manifest.extra.quant_tuning == {}
+    assert _block_sizes(bundle / manifest.target.graph) == {64}
+
+
+def test_the_cli_tunes_the_block_only_without_an_explicit_block_size(tiny_model, tmp_path, monkeypatch):
+    import specedge.cli.main as cli
+
+    seen = []
+    monkeypatch.setattr("specedge.export.bundle.export_bundle", lambda config: seen.append(config) or
+                        (_ for _ in ()).throw(SystemExit(0)))
+    folder = str(tiny_model("llama"))
+    for extra, tuned, block in (([], False, 32), (["--tune"], True, 32), (["--tune", "--block-size", "128"], False, 128)):
+        CliRunner().invoke(cli.main, ["export", "--target", folder, "--precision", "int4",
+                                      "--out", str(tmp_path / "b"), *extra])
+        assert (seen[-1].tune_block_size, seen[-1].block_size) == (tuned, block)
+
+
+def test_fp32_targets_have_nothing_to_tune(tiny_model, export):
+    bundle = export(tiny_model("llama"), tune_block_size=True)
+    assert load_manifest(bundle).extra.quant_tuning == {}

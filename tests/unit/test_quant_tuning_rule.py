@@ -1,0 +1,42 @@
+"""Invariant: ``export --tune`` never ships a block size that agrees with fp32 less often than the
+default block, and switches only for a gain above timing noise (export/tune.py ``choose``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specedge.bundle_extra import BlockCandidate
+from specedge.errors import InvalidParameterError
+from specedge.export.tune import MIN_GAIN, calibration_prompts, choose
+
+
+def block(size: int, step_ms: float, agreement: float) -> BlockCandidate:
+    return BlockCandidate(block_size=size, exact_step_ms=step_ms, verify_ms=2 * step_ms, greedy_agreement=agreement)
+
+
+def test_the_fastest_block_that_is_as_faithful_as_the_default_wins():
+    assert choose((block(32, 67.0, 0.97), block(64, 60.0, 0.97), block(128, 55.0, 0.98))) == 128
+
+
+def test_a_faster_block_with_lower_agreement_is_refused():
+    assert choose((block(32, 67.0, 0.98), block(64, 60.0, 0.98), block(128, 50.0, 0.97))) == 64
+    assert choose((block(32, 67.0, 0.98), block(64, 60.0, 0.96), block(128, 50.0, 0.97))) == 32
+
+
+def test_a_gain_inside_timing_noise_keeps_the_default():
+    just_inside = 67.0 * (1 - MIN_GAIN) + 0.01
+    assert choose((block(32, 67.0, 0.98), block(128, just_inside, 0.99))) == 32
+    assert choose((block(32, 67.0, 0.98), block(128, 67.0 * (1 - MIN_GAIN) - 0.01, 0.99))) == 128
+
+
+def test_the_default_is_the_finest_block_whatever_the_order():
+    assert choose((block(128, 70.0, 0.99), block(32, 67.0, 0.98))) == 32
+    with pytest.raises(InvalidParameterError, match="no block-size candidates"):
+        choose(())
+
+
+def test_calibration_prompts_fit_the_context_and_the_vocabulary():
+    prompts = calibration_prompts(lambda text: [ord(ch) for ch in text], vocab_size=110, max_context=80)
+    assert prompts and all(len(p) <= 80 - 48 - 1 and p.max() < 110 for p in prompts)
+    with pytest.raises(InvalidParameterError, match="maps none of the calibration text"):
+        calibration_prompts(lambda text: [10_000], vocab_size=110, max_context=80)
