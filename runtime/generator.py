@@ -402,7 +402,7 @@ class Generator:
                 result.stats.lookup_steps = learned.lookup_steps
         self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
         if drafter is not None and reads_replies(drafter.name) and config.reply_memory:
-            self.memory.remember_reply(state.tokens)  # a cancelled reply's committed tokens are text too
+            self.memory.remember_reply(state.tokens, ids)  # a cancelled reply's committed tokens are text too
         result.stats.reply_memory_tokens = self.memory.replies.tokens
         result.stats.reply_memory_bytes = self.memory.replies.approx_nbytes()
 

@@ -14,13 +14,15 @@ changes its tokens (every proposal is verified by the target).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..bundle_extra import CostProfile
 from .controller import ControllerSnapshot
 from .costs import CostModel
 from .drafters import needs_draft_model
 from .horizon import ReplyLengths
 from .suffix import ReplyMemory
-from .suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
+from .suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS, REPLY_CUE_TOKENS
 
 
 class SpeculationMemory:
@@ -65,9 +67,10 @@ class SpeculationMemory:
         if reason != "cancelled":
             self.reply_lengths.record(new_tokens, finished=reason in ("stop", "stop_string"))
 
-    def remember_reply(self, tokens: list[int]) -> None:
-        """Add a reply's tokens to the cross-reply memory (evicting the oldest replies past its bound)."""
-        self.replies.add(tokens)
+    def remember_reply(self, tokens: list[int], prompt: Sequence[int] = ()) -> None:
+        """Add a reply's tokens, after the last ``REPLY_CUE_TOKENS`` of its prompt, to the cross-reply
+        memory (evicting the oldest replies past its bound)."""
+        self.replies.add(tokens, cue=list(prompt)[-REPLY_CUE_TOKENS:] if prompt else ())
 
     def forget_replies(self) -> None:
         """Forget what replies taught (acceptance, reply lengths, the replies themselves); keep the

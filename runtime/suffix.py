@@ -251,9 +251,17 @@ class ReplyMemory:
         self._replies: deque[tuple[int, ...]] = deque()
         self.tokens = 0
 
-    def add(self, reply: Sequence[int]) -> None:
-        """Remember a finished reply (its last ``max_tokens`` tokens if it alone is longer)."""
-        reply = tuple(int(t) for t in reply)[-self.max_tokens:]
+    def add(self, reply: Sequence[int], cue: Sequence[int] = ()) -> None:
+        """Remember a finished reply, after ``cue`` (the last prompt tokens before it), as one
+        sequence: its last ``max_tokens`` tokens if it alone is longer. The cue and the reply both
+        count towards the bound.
+
+        Why the cue: a reply stored alone is matched only once its first tokens are out, so a
+        repeated question's first draft could copy at most what a 2-token match allows; with the
+        question's tail and the chat template's assistant header in front, the same question
+        matches the cue at full depth from the reply's first token on.
+        """
+        reply = tuple(int(t) for t in (*cue, *reply))[-self.max_tokens:]
         if not reply:
             return
         while self._replies and self.tokens + len(reply) > self.max_tokens:

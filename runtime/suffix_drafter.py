@@ -9,7 +9,9 @@ implementation of that idea over runtime/suffix.py's counted trie:
 
 - a local trie over the prompt plus the committed output, appended as the reply grows;
 - the Generator's :class:`ReplyMemory` (earlier replies, bounded, oldest evicted first);
-- each proposes its best chain; the one with the higher ``expected_accepted`` is drafted.
+- each proposes its best chain; the one matching the longer suffix of the context is drafted
+  (the more specific evidence, as n-gram lookup backs off from its longest n), and on equal
+  matches the one with the higher ``expected_accepted``.
 
 Proposals are point masses (``draft_probs`` None): the sampling verifier then keeps the
 target's distribution exactly, and greedy output equals plain decoding, whatever the tries hold.
@@ -47,6 +49,9 @@ DEFAULT_MIN_MATCH = 2
 # ReplyMemory.nbytes() (CPython 3.11), repetitive text less. Voice and agent replies that recur
 # (greetings, confirmations, tool-call JSON) fit many times over.
 DEFAULT_MEMORY_TOKENS = 4096
+# Prompt tokens remembered in front of each reply (ReplyMemory.add's cue): the longest match a
+# chain starts from (depth // 2), so a question asked again is matched at full depth.
+REPLY_CUE_TOKENS = DEFAULT_DEPTH // 2
 
 
 class SuffixDrafter:
@@ -125,7 +130,14 @@ class SuffixDrafter:
         return Chain(tuple(tokens), tuple(probs), first.match_length)
 
     def best(self, history: np.ndarray, k: int) -> tuple[str, Chain]:
-        """(source, chain): the candidate with the most expected accepted tokens (local on a tie)."""
+        """(source, chain): the candidate matching the longer suffix of ``history``, then the one with
+        more expected accepted tokens (local on a full tie).
+
+        Why the match first: both tries count continuations seen once as certain, so expected
+        tokens alone prefer whichever chain is longer. On the bench's repeated questions a reply
+        the memory held verbatim (an 8-token match) lost to a 7-token copy out of the system prompt
+        (a 7-token match) that diverged at its third token; the longer match was right.
+        """
         context = np.asarray(history[-self.max_match:]).tolist()
         key = (tuple(context), k, self._appender.length)
         if self._last is not None and self._last[0] == key:
@@ -134,7 +146,8 @@ class SuffixDrafter:
         sources = [("local", self.local)] + ([("replies", self.replies.trie)] if self.replies is not None else [])
         for source, trie in sources:
             candidate = self.chain(trie, context, k)
-            if candidate.expected_accepted > best[1].expected_accepted:
+            if (candidate.match_length, candidate.expected_accepted) > (best[1].match_length,
+                                                                      best[1].expected_accepted):
                 best = (source, candidate)
         self._last = (key, best)
         return best

@@ -3,7 +3,7 @@
 Guards:
 - proposals: the longest earlier-seen suffix's most frequent continuation, point masses,
   at most k tokens, nothing below the minimum match, the local trie only ever holding
-  committed history, and the higher expected_accepted of local vs reply memory winning;
+  committed history, and the longer match (then the higher expected_accepted) of local vs reply memory winning;
 - greedy output equals plain decoding for k in {1, 2, 4, 8}, adaptive k and pipelined mode;
 - cross-reply memory: a repeated prompt is drafted from the earlier reply (more accepted)
   with identical output; forget_replies() and reply_memory=False turn that off; the memory's
@@ -79,7 +79,20 @@ def test_local_trie_holds_only_committed_history():
     assert d.local.dump() == trie_of(arr(5, 6)).dump()
 
 
-def test_the_source_with_more_expected_accepted_tokens_wins():
+def test_the_source_with_the_longer_match_wins():
+    replies = ReplyMemory(24, 100)
+    replies.add([3, 4, 5, 6, 7, 8, 9, 10])  # an earlier reply, verbatim
+    d = SuffixDrafter(replies)
+    # Locally "5 6" was followed by 7 11 12 13 (a longer chain than the memory's match allows)...
+    history = arr(5, 6, 7, 11, 12, 13, 1, 3, 4, 5, 6, 7)
+    d.begin(history)
+    # ...but the memory matches "3 4 5 6 7" (5 tokens) where the local trie matches "5 6 7" (3).
+    assert d.best(history, 8)[1].match_length > d.chain(d.local, history[-d.max_match:].tolist(), 8).match_length
+    assert d.propose(history, 3).tokens.tolist() == [8, 9, 10]
+    assert d.last_source == "replies"
+
+
+def test_on_equal_matches_the_source_with_more_expected_accepted_tokens_wins():
     replies = ReplyMemory(24, 100)
     replies.add([7, 8, 50, 51, 52, 53])  # an earlier reply continued "7 8" for 4 tokens
     d = SuffixDrafter(replies)

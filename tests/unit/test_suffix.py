@@ -121,3 +121,25 @@ def test_nbytes_grows_with_content():
     empty = trie.nbytes()
     trie.insert(list(range(200)))
     assert trie.nbytes() > empty
+
+
+def test_a_reply_remembered_after_its_cue_is_drafted_from_its_first_token():
+    from specedge.runtime.suffix_drafter import SuffixDrafter
+
+    question = [40, 41, 42, 43, 44, 45, 46, 47]  # the prompt's tail: the question and the assistant header
+    reply = [70, 71, 72, 73, 74, 75]
+    with_cue, bare = ReplyMemory(24, 100), ReplyMemory(24, 100)
+    with_cue.add(reply, cue=question)
+    bare.add(reply)
+    assert with_cue.tokens == len(question) + len(reply)  # the cue counts towards the bound
+    asked_again = [1, 2, *question]  # the same question, later: nothing of the reply is out yet
+    drafter = SuffixDrafter(with_cue)
+    drafter.begin(asked_again)
+    assert drafter.propose(asked_again, 6).tokens.tolist() == reply
+    drafter = SuffixDrafter(bare)
+    drafter.begin(asked_again)
+    assert len(drafter.propose(asked_again, 6).tokens) == 0
+    # The bound keeps the newest tokens: a cue never pushes a reply's own tokens out.
+    small = ReplyMemory(24, 8)
+    small.add(reply, cue=question)
+    assert small.tokens == 8 and small.replies == 1
