@@ -46,15 +46,21 @@ VERIFY_TOKENS = 5
 # quiet 2-core box moved 1-2% between runs, so a smaller gain could be noise, and the default is
 # the layout that every other measurement of the bundle family was taken on.
 MIN_GAIN = 0.03
-CONTINUATION_TOKENS = 48  # greedy tokens per calibration prompt
+# Greedy tokens per calibration prompt: 5 x 64 = 320 positions, so one flipped token moves the
+# agreement by 0.3 points (on Qwen2.5-Coder-1.5B int4 the blocks differed by 2 of 144 at 48 each).
+CONTINUATION_TOKENS = 64
 MAX_PROMPT_TOKENS = 192
-# Fixed calibration prompts: prose, an instruction, code. Plain text (no chat template), so every
-# tokenizer reads them the same way.
+# Fixed calibration prompts: prose, an instruction, code, a voice-agent turn, a tool call. Plain text
+# (no chat template), so every tokenizer reads them the same way.
 CALIBRATION_TEXTS = (
     "The harbour master keeps a log of every ship that enters the port. On a busy morning the log "
     "records the name of the vessel, its cargo, the berth it was given and the time it tied up. ",
     "Explain in three short sentences why a cache makes repeated requests faster, and when it does not.",
     "def moving_average(values, window):\n    \"\"\"Mean of each run of `window` consecutive values.\"\"\"\n",
+    "Caller: Hi, I booked a table for four at seven tonight but we are running late. Can you move it? "
+    "Assistant:",
+    'Reply with one JSON object with the keys "tool" and "arguments". Tools: find_slots(date), '
+    'book(slot_id, name). Request: book the first free slot on 12 March for Ana Ruiz.\n',
 )
 
 
@@ -67,10 +73,15 @@ class Candidate:
     graph: Path
 
 
+def continuation_tokens(max_context: int) -> int:
+    """Greedy tokens per calibration prompt: CONTINUATION_TOKENS, or half a small context."""
+    return max(1, min(CONTINUATION_TOKENS, max_context // 2))
+
+
 def calibration_prompts(encode: Callable[[str], list[int]], vocab_size: int, max_context: int) -> list[np.ndarray]:
     """Token ids of :data:`CALIBRATION_TEXTS` (ids outside the graph's vocabulary dropped), each
     cut so that prompt + continuation fits in ``max_context``."""
-    room = max(1, min(MAX_PROMPT_TOKENS, max_context - CONTINUATION_TOKENS - 1))
+    room = max(1, min(MAX_PROMPT_TOKENS, max_context - continuation_tokens(max_context) - 1))
     prompts = []
     for text in CALIBRATION_TEXTS:
         ids = [i for i in encode(text) if 0 <= i < vocab_size][-room:]
@@ -81,11 +92,12 @@ def calibration_prompts(encode: Callable[[str], list[int]], vocab_size: int, max
     return prompts
 
 
-def greedy_references(entry: ModelEntry, graph: Path, prompts: list[np.ndarray],
-                      tokens: int = CONTINUATION_TOKENS) -> list[np.ndarray]:
-    """fp32 greedy continuations (int64 ``[tokens]``) of each prompt, one 1-token step at a time."""
+def greedy_references(entry: ModelEntry, graph: Path, prompts: list[np.ndarray]) -> list[np.ndarray]:
+    """fp32 greedy continuations (int64 ``[continuation_tokens(max_context)]``) of each prompt, one
+    1-token step at a time."""
     from ..engines.ort import OrtEngine
 
+    tokens = continuation_tokens(entry.max_context)
     engine = OrtEngine(entry, graph)
     out = []
     for prompt in prompts:

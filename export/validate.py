@@ -168,7 +168,9 @@ def validate_graph(model: Any, entry: ModelEntry, graph: Path, *, relative_toler
 
 def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, graph_b: Path, *,
                    n_tokens: int = 64, seed: int = 0) -> ComparisonRecord:
-    """Teacher-forced agreement of two graphs (e.g. int4 vs fp32) on a random sequence."""
+    """Teacher-forced agreement of two graphs (e.g. int4 vs fp32) on a random sequence (``n_tokens``,
+    or the whole context where that is shorter)."""
+    n_tokens = min(n_tokens, entry_a.max_context, entry_b.max_context)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, entry_a.vocab_size, size=n_tokens).astype(np.int64)
     logits = []

@@ -92,3 +92,9 @@ def test_the_cli_tunes_the_block_only_without_an_explicit_block_size(tiny_model,
 def test_fp32_targets_have_nothing_to_tune(tiny_model, export):
     bundle = export(tiny_model("llama"), tune_block_size=True)
     assert load_manifest(bundle).extra.quant_tuning == {}
+
+
+def test_tuning_fits_a_small_context(tiny_model, export):
+    bundle = export(tiny_model("llama"), precision="int4", tune_block_size=True, max_context=32)
+    tuning = load_manifest(bundle).extra.quant_tuning["target"]
+    assert tuning.positions == 5 * 16  # five calibration prompts, half the context each

@@ -7,7 +7,7 @@ import pytest
 
 from specedge.bundle_extra import BlockCandidate
 from specedge.errors import InvalidParameterError
-from specedge.export.tune import MIN_GAIN, calibration_prompts, choose
+from specedge.export.tune import CONTINUATION_TOKENS, MIN_GAIN, calibration_prompts, choose, continuation_tokens
 
 
 def block(size: int, step_ms: float, agreement: float) -> BlockCandidate:
@@ -36,7 +36,9 @@ def test_the_default_is_the_finest_block_whatever_the_order():
 
 
 def test_calibration_prompts_fit_the_context_and_the_vocabulary():
-    prompts = calibration_prompts(lambda text: [ord(ch) for ch in text], vocab_size=110, max_context=80)
-    assert prompts and all(len(p) <= 80 - 48 - 1 and p.max() < 110 for p in prompts)
+    for context in (16, 80, 2048):
+        prompts = calibration_prompts(lambda text: [ord(ch) for ch in text], vocab_size=110, max_context=context)
+        assert prompts and all(len(p) + continuation_tokens(context) < context and p.max() < 110 for p in prompts)
+    assert continuation_tokens(2048) == CONTINUATION_TOKENS and continuation_tokens(16) == 8
     with pytest.raises(InvalidParameterError, match="maps none of the calibration text"):
         calibration_prompts(lambda text: [10_000], vocab_size=110, max_context=80)
