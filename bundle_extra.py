@@ -76,39 +76,64 @@ def _fraction(value: Any, name: str) -> float:
 
 @dataclass(frozen=True)
 class MachineFingerprint:
-    """What makes step timings transferable: the CPU model, its core count, the thread setting."""
+    """What makes step timings transferable: the CPU model, its vector extensions, its core count,
+    the thread setting.
+
+    ``isa``: the CPU flags among :data:`ISA_FLAGS` it has, comma-joined. Why: the same model name
+    ("AMD EPYC" in a VM) covered both an AVX2-only box and an AVX-512 one, whose int4 kernels and
+    best block sizes differ; a record without it (written before) never matches this machine.
+    """
 
     cpu: str
     cores: int
     threads: int  # intra-op threads the profile was measured with (0 = ORT's default)
+    isa: str = ""
+
+    # The extensions ONNX Runtime's CPU kernels (MLAS) dispatch on for the matmuls that dominate a step.
+    ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
+                 "asimd", "asimddp", "sve", "i8mm")
 
     @classmethod
     def here(cls, threads: int) -> "MachineFingerprint":
         """This machine, at ``threads`` intra-op threads."""
-        cpu = platform.processor() or platform.machine()
+        name: str | None = None
+        flags: set[str] = set()
         try:
             with open("/proc/cpuinfo", encoding="utf-8") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        cpu = line.split(":", 1)[1].strip()
-                        break
+                for line in f:  # the first processor's entries describe them all
+                    key, _, value = line.partition(":")
+                    key = key.strip()
+                    if key == "model name" and name is None:
+                        name = value.strip()
+                    elif key in ("flags", "Features") and not flags:  # x86 / Arm
+                        flags = set(value.split())
         except OSError:
             pass
-        return cls(cpu=cpu, cores=os.cpu_count() or 0, threads=threads)
+        cpu = name or platform.processor() or platform.machine()
+        isa = ",".join(f for f in cls.ISA_FLAGS if f in flags)
+        return cls(cpu=cpu, cores=os.cpu_count() or 0, threads=threads, isa=isa)
+
+    def same_cpu(self, other: "MachineFingerprint") -> bool:
+        """Same CPU model, extensions and core count (the thread setting aside)."""
+        return (self.cpu, self.isa, self.cores) == (other.cpu, other.isa, other.cores)
+
+    def describe(self) -> str:
+        return f"{self.cpu} ({self.isa or 'extensions not recorded'}), {self.cores} cores"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu": self.cpu, "cores": self.cores, "threads": self.threads}
+        return {"cpu": self.cpu, "cores": self.cores, "threads": self.threads, "isa": self.isa}
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "MachineFingerprint":
         check_type(obj, where, dict)
-        refuse_unknown(obj, ("cpu", "cores", "threads"), where)
+        refuse_unknown(obj, ("cpu", "cores", "threads", "isa"), where)
         ints = {}
         for key in ("cores", "threads"):
             ints[key] = read_field(obj, key, where, int)
             if ints[key] < 0:
                 raise ManifestError(f"manifest field '{where}.{key}' must be >= 0, got {ints[key]}")
-        return cls(cpu=read_field(obj, "cpu", where, str), **ints)
+        return cls(cpu=read_field(obj, "cpu", where, str), isa=read_field(obj, "isa", where, str, optional=True,
+                                                                        default=""), **ints)
 
 
 @dataclass(frozen=True)
@@ -247,8 +272,9 @@ class BlockCandidate:
     exact_step_ms: float  # median 1-token step through the batch-invariant engine (2 rows)
     verify_ms: float  # median 5-token verify
     greedy_agreement: float  # share of fp32 greedy tokens this graph's argmax reproduces, teacher-forced
+    bit_identical: bool  # its exact steps equal verify rows bit for bit at every verify length (validate.py)
 
-    FIELDS = ("block_size", "exact_step_ms", "verify_ms", "greedy_agreement")
+    FIELDS = ("block_size", "exact_step_ms", "verify_ms", "greedy_agreement", "bit_identical")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.FIELDS}
@@ -266,7 +292,8 @@ class BlockCandidate:
             raise ManifestError(f"manifest field '{where}' needs positive step times, got {times}")
         return cls(block_size=block, greedy_agreement=_fraction(read_field(obj, "greedy_agreement", where,
                                                                            (int, float)),
-                                                                f"{where}.greedy_agreement"), **times)
+                                                                f"{where}.greedy_agreement"),
+                   bit_identical=read_field(obj, "bit_identical", where, bool), **times)
 
 
 @dataclass(frozen=True)

@@ -350,10 +350,10 @@ def _tuning_line(extra) -> str:
         return "not tuned (`specedge tune BUNDLE` measures this machine's step costs)"
     taken = recorded.machine
     here = MachineFingerprint.here(taken.threads)
-    where = f"{taken.cpu}, {taken.cores} cores, threads={taken.threads}"
+    where = f"{taken.describe()}, threads={taken.threads}"
     if taken == here:
         return f"step costs measured on this machine ({where})"
-    return (f"tuned elsewhere ({where}); this machine is {here.cpu}, {here.cores} cores: the recorded "
+    return (f"tuned elsewhere ({where}); this machine is {here.describe()}: the recorded "
             "step costs are ignored here and re-measured at warm-up (`specedge tune BUNDLE` records them)")
 
 
@@ -363,17 +363,20 @@ def _quant_tuning_line(tuning) -> str:
 
     chosen, default = tuning.candidate(tuning.chosen), min(tuning.candidates, key=lambda c: c.block_size)
     taken = tuning.machine
-    line = (f"{chosen.block_size}, chosen by export --tune on {taken.cpu} ({taken.cores} cores): exact step "
-            f"{chosen.exact_step_ms:.1f} ms")
+    line = f"{chosen.block_size}, chosen by export --tune on {taken.describe()}: exact step {chosen.exact_step_ms:.1f} ms"
     if chosen is not default:
         line += (f" vs {default.exact_step_ms:.1f} ms at block {default.block_size}, greedy agreement with fp32 "
                  f"{chosen.greedy_agreement:.3f} vs {default.greedy_agreement:.3f}")
     else:
-        line += f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (no coarser block was faster and as faithful)"
+        line += (f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (no coarser block was faster, as "
+                 "faithful and exact)")
     line += f" over {tuning.positions} tokens"
+    refused = [str(c.block_size) for c in tuning.candidates if not c.bit_identical]
+    if refused:
+        line += f"; not exact on that machine (plain steps != verify rows): block {', '.join(refused)}"
     here = MachineFingerprint.here(taken.threads)
-    if (here.cpu, here.cores) != (taken.cpu, taken.cores):
-        line += (f"; tuned elsewhere: this machine is {here.cpu}, {here.cores} cores (the bundle runs as is; "
+    if not here.same_cpu(taken):
+        line += (f"; tuned elsewhere: this machine is {here.describe()} (the bundle runs as is; "
                  "re-export with --tune here to choose for this CPU)")
     return line
 

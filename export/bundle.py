@@ -217,11 +217,11 @@ class _ModelExporter:
             candidates.append(Candidate(block, entry, files[block][0]))
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                                       src_entry.max_context)
-        tuning = tune_block_size(candidates, src_entry, src_graph, prompts, threads=cfg.tune_threads,
-                                 progress=self.progress)
+        tuning = tune_block_size(candidates, src_entry, src_graph, prompts, max_verify=cfg.max_draft_tokens + 1,
+                                 threads=cfg.tune_threads, progress=self.progress)
         self.quant_tuning[role] = tuning
         measured = "; ".join(f"block {c.block_size}: step {c.exact_step_ms:.1f} ms, agreement {c.greedy_agreement:.3f}"
-                             for c in tuning.candidates)
+                             f"{'' if c.bit_identical else ', NOT exact'}" for c in tuning.candidates)
         self.progress(f"tune: {role} keeps block {tuning.chosen} ({measured})")
         out = []
         for path in files[tuning.chosen]:  # the graph keeps its data file's name: moved together, it still loads
@@ -352,7 +352,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         # record, for this graph on this machine, that it holds and what it costs.
         from .validate import exact_steps
 
-        exact = {"target": exact_steps(target, tmp / target.graph)}
+        exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
         if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
                   "a verify row; speculative greedy output may differ from plain decoding at near ties",

@@ -14,9 +14,14 @@ validated fp32 graph at each candidate block size and measures, for each:
   of continuation positions where its argmax is fp32's token. That is the quantity a near
   tie flips, on the model's own output rather than on random ids.
 
+* **exactness**: whether its exact steps equal verify rows bit for bit at every verify length
+  (export/validate.py ``steps_match_verify_rows``). This is not a given: on an AVX-512 EPYC,
+  block 64 was 18% faster than block 32 and broke it, so speculation could have differed from
+  plain decoding at near ties.
+
 The rule (:func:`choose`): among candidates whose agreement is at least the finest block's
-(the untuned default), the one with the fastest exact step, if it beats the default's by more
-than ``MIN_GAIN``; otherwise the default. The measurements and the choice go into the
+(the untuned default) and that are exact wherever the default is, the one with the fastest
+exact step, if it beats the default's by more than ``MIN_GAIN``; otherwise the default. The measurements and the choice go into the
 manifest (``extra.quant_tuning``) with the machine they were taken on; ``specedge info`` says
 when a bundle was tuned elsewhere (it still runs there: a block size is only a speed choice).
 """
@@ -164,30 +169,46 @@ def time_steps(candidates: list[Candidate], *, threads: int = 0, context: int = 
 
 def choose(candidates: tuple[BlockCandidate, ...]) -> int:
     """The block size to ship (module docstring): the fastest exact step among candidates at least as
-    faithful to fp32 as the finest block, if it gains more than ``MIN_GAIN``; else the finest block."""
+    faithful to fp32 as the finest block and exact wherever it is, if it gains more than ``MIN_GAIN``;
+    else the finest block."""
     if not candidates:
         raise InvalidParameterError("no block-size candidates to choose from")
     default = min(candidates, key=lambda c: c.block_size)
-    faithful = [c for c in candidates if c.greedy_agreement >= default.greedy_agreement]
+    faithful = [c for c in candidates if c.greedy_agreement >= default.greedy_agreement
+                and (c.bit_identical or not default.bit_identical)]
     fastest = min(faithful, key=lambda c: (c.exact_step_ms, c.block_size))
     return fastest.block_size if fastest.exact_step_ms < default.exact_step_ms * (1 - MIN_GAIN) else default.block_size
 
 
+def exact_everywhere(candidate: Candidate, max_verify: int) -> bool:
+    """Whether the candidate's exact steps equal its verify rows at every length up to ``max_verify``."""
+    from ..engines.invariant import BatchInvariantEngine
+    from ..engines.ort import OrtEngine
+    from .validate import steps_match_verify_rows
+
+    engine = BatchInvariantEngine(OrtEngine(candidate.entry, candidate.graph))
+    return steps_match_verify_rows(engine, candidate.entry.vocab_size, candidate.entry.max_context,
+                                   max_verify=max_verify)
+
+
 def tune_block_size(candidates: list[Candidate], reference_entry: ModelEntry, reference_graph: Path,
-                    prompts: list[np.ndarray], *, threads: int = 0,
+                    prompts: list[np.ndarray], *, max_verify: int, threads: int = 0,
                     progress: Callable[[str], None] = lambda _: None) -> QuantTuning:
-    """Measure every candidate (module docstring) and return the record with the choice."""
+    """Measure every candidate (module docstring) and return the record with the choice;
+    ``max_verify``: the bundle's largest verify (max_draft_tokens + 1)."""
     progress("tune: fp32 greedy reference")
     references = greedy_references(reference_entry, reference_graph, prompts)
-    agreement = {}
+    agreement, exact = {}, {}
     for c in candidates:
-        progress(f"tune: greedy agreement, block {c.block_size}")
+        progress(f"tune: greedy agreement and exact steps, block {c.block_size}")
         agreement[c.block_size] = greedy_agreement(c.entry, c.graph, prompts, references)
+        exact[c.block_size] = exact_everywhere(c, max_verify)
     progress("tune: timing exact steps")
     timings = time_steps(candidates, threads=threads)
     measured = tuple(BlockCandidate(block_size=c.block_size, exact_step_ms=round(timings[c.block_size][0], 3),
                                     verify_ms=round(timings[c.block_size][1], 3),
-                                    greedy_agreement=round(agreement[c.block_size], 4))
+                                    greedy_agreement=round(agreement[c.block_size], 4),
+                                    bit_identical=exact[c.block_size])
                      for c in candidates)
     return QuantTuning(machine=MachineFingerprint.here(threads), candidates=measured, chosen=choose(measured),
                        positions=sum(len(r) for r in references), context=TIMING_CONTEXT)

@@ -206,14 +206,40 @@ def batch_variance(entry: ModelEntry, graph: Path, *, verify: int = 5, prefix: i
     return worst
 
 
-def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int = 5, reps: int = 9,
-                seed: int = 2) -> ExactSteps:
+def steps_match_verify_rows(engine, vocab_size: int, max_context: int, *, max_verify: int = 9, prefix: int = 32,
+                            seed: int = 2) -> bool:
+    """Whether, on this machine, every verify length 2..``max_verify`` gives rows bit-identical to as
+    many 1-token steps through ``engine`` (a :class:`BatchInvariantEngine`), logits and K/V alike.
+
+    Every length, not one: the CPU kernels tile the rows of a forward, and a verify of M rows can
+    run its last ones through another kernel than a 2-row step (block-64 int4 on an AVX-512 EPYC
+    matched at some lengths and not at 5, while block 32 matched at every length).
+    """
+    rng = np.random.default_rng(seed)
+    for verify in range(2, max_verify + 1):
+        start = max(1, min(prefix, max_context - verify - 1))  # small contexts (>= 16) still fit
+        if start + verify > max_context:
+            break
+        ids = rng.integers(0, vocab_size, size=start + verify).astype(np.int64)
+        kv = engine.new_cache()
+        engine.forward(ids[:start], kv)
+        rows = engine.forward(ids[start:], kv, num_logits=verify).copy()
+        rows_kv = [a.copy() for a in kv.keys + kv.values]
+        kv.rewind(verify)
+        steps = np.stack([engine.forward(ids[start + i:start + i + 1], kv)[0].copy() for i in range(verify)])
+        if not (np.array_equal(steps, rows) and all(np.array_equal(a, b) for a, b in zip(kv.keys + kv.values,
+                                                                                          rows_kv))):
+            return False
+    return True
+
+
+def exact_steps(entry: ModelEntry, graph: Path, *, max_verify: int = 9, reps: int = 9, seed: int = 2) -> ExactSteps:
     """Check, on this machine, that batch-invariant steps (engines/invariant.py) make a plain step
     bit-identical to a verify row, and measure what they cost.
 
     Returns an :class:`ExactSteps` (bit_identical, two_row_step_cost, one_row_step_ms):
-    ``bit_identical`` compares the logits and K/V of ``verify`` 1-token steps with one
-    ``verify``-token forward; ``two_row_step_cost`` is the median over ``reps`` paired timings
+    ``bit_identical`` is :func:`steps_match_verify_rows` over verify lengths 2..``max_verify``
+    (the bundle's largest k + 1); ``two_row_step_cost`` is the median over ``reps`` paired timings
     of a 2-row step over a bare 1-row step (what exact plain decoding pays per token).
     """
     import time
@@ -222,19 +248,12 @@ def exact_steps(entry: ModelEntry, graph: Path, *, prefix: int = 32, verify: int
 
     bare = OrtEngine(entry, graph, EngineOptions())
     engine = BatchInvariantEngine(bare)
-    prefix = max(1, min(prefix, entry.max_context - verify - 1))  # small contexts (>= 16) still fit
-    ids = np.random.default_rng(seed).integers(0, entry.vocab_size, size=prefix + verify).astype(np.int64)
+    same = steps_match_verify_rows(engine, entry.vocab_size, entry.max_context, max_verify=max_verify, seed=seed)
     kv = engine.new_cache()
-    engine.forward(ids[:prefix], kv)
-    rows = engine.forward(ids[prefix:], kv, num_logits=verify).copy()
-    rows_kv = [a.copy() for a in kv.keys + kv.values]
-    kv.rewind(verify)
-    steps = np.stack([engine.forward(ids[prefix + i:prefix + i + 1], kv)[0].copy() for i in range(verify)])
-    same = bool(np.array_equal(steps, rows)) and all(np.array_equal(a, b) for a, b in zip(kv.keys + kv.values,
-                                                                                         rows_kv))
-    kv.rewind(verify)
+    prefix = max(1, min(32, entry.max_context - 2))
+    engine.forward(np.random.default_rng(seed).integers(0, entry.vocab_size, size=prefix).astype(np.int64), kv)
     one, ratios = [], []
-    token = ids[prefix:prefix + 1]
+    token = np.asarray([1], np.int64)
     for _ in range(reps):
         t0 = time.perf_counter()
         bare.forward(token, kv)

@@ -9,7 +9,7 @@ all the loop and the Generator read back (stats, and what the next reply starts 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from ..errors import InvalidParameterError
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema, expected_tokens
@@ -23,9 +23,10 @@ class ControllerSnapshot:
     observed: int = 0  # positions 0..observed-1 have had at least one outcome
     catchup_deferred: int = 0  # steps run plain because a catch-up would not have paid off
     mode_s: tuple[tuple[str, float], ...] = ()  # ("speculative" | "plain", seconds) pairs; empty: not tracked
-    # The default controller's (DefaultK) lookup side, and its exploration budget, carried to the next reply.
-    lookup_acceptance: tuple[float, ...] = ()
-    lookup_observed: int = 0
+    # The default controller's (DefaultK) lookup side, one entry per LOOKUP_CONFIDENCE class, and its
+    # exploration budget, carried to the next reply.
+    lookup_acceptance: tuple[tuple[float, ...], ...] = ()
+    lookup_observed: tuple[int, ...] = ()
     budget_s: float | None = None  # None: not tracked (other controllers)
     plain_s: float = 0.0  # what plain decoding would have spent on this reply's steps (DefaultK)
     overhead_s: float = 0.0  # net seconds speculation spent beyond that (negative: it saved time)
@@ -224,7 +225,11 @@ class DefaultK:
        runs no model, so its draft costs microseconds). Its length is chosen by an
        :class:`AdaptiveK` that sees the lookup's own per-position acceptance and the
        CostModel's target costs with a free draft (``CostModel.lookup_view``): it is capped
-       where verifying more rows stops paying (on a 2-row exact step one token is free);
+       where verifying more rows stops paying (on a 2-row exact step one token is free).
+       Acceptance is learned apart for each class of offer (``LOOKUP_CONFIDENCE``, by the
+       tokens the lookup had ready, which the suffix drafter bounds by its match length): a
+       12-token match with an earlier reply is right far more often than a 2-token one, and
+       one shared estimate held the long copies of a repeated reply to 2-3 tokens a step;
     2. no lookup and a draft model: an :class:`AdaptiveK` over the draft model's acceptance and
        the CostModel's measured c, v(k) and catch-up chooses k, 0 when no k beats a plain step
        (llama.cpp likewise keeps, among its drafters, the one with the most expected accepted
@@ -255,15 +260,29 @@ class DefaultK:
     # 64-token catch-up fits, a winning streak cannot fund a long losing one.
     BUDGET_STEPS = 512
 
+    # Lower bounds of the offer classes (tokens the lookup had ready): 1-2 (a short match), 3 up to
+    # max_k - 1, and a full offer of max_k (``None`` here). The suffix drafter offers a full max_k only
+    # after a match at least that long: on the bench's repeated questions, the memory's 12-token
+    # matches (right) then no longer share an estimate with 6-7-token copies out of the system
+    # prompt (often wrong past their third token), which had held the repeats to k = 1.
+    LOOKUP_CONFIDENCE = (1, 3, None)
+
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
                  model_acceptance: list[float] | None = None, model_observed: int = 0,
-                 lookup_acceptance: list[float] | None = None, lookup_observed: int = 0,
+                 lookup_acceptance: Sequence[Sequence[float]] | None = None, lookup_observed: Sequence[int] = (),
                  budget_s: float = 0.0) -> None:
         """``costs``: the drafter's one CostModel (the loop feeds it); the ``*_acceptance`` and
-        ``budget_s``: what the previous reply ended with (its :meth:`snapshot`)."""
+        ``budget_s``: what the previous reply ended with (its :meth:`snapshot`; the lookup's, one
+        entry per ``LOOKUP_CONFIDENCE`` class)."""
         self.costs = costs
-        self.lookup = AdaptiveK(max_k, costs=costs.lookup_view(), start_k=start_k, acceptance=lookup_acceptance,
-                                observed=lookup_observed)
+        self.lookup_bounds = tuple(max_k if low is None else low for low in self.LOOKUP_CONFIDENCE)
+        view = costs.lookup_view()
+        carried = list(lookup_acceptance or ())
+        observed = list(lookup_observed)
+        self.lookups = tuple(AdaptiveK(max_k, costs=view, start_k=start_k,
+                                       acceptance=list(carried[i]) if i < len(carried) else None,
+                                       observed=observed[i] if i < len(observed) else 0)
+                             for i in range(len(self.LOOKUP_CONFIDENCE)))
         self.model = AdaptiveK(max_k, costs=costs, start_k=start_k, acceptance=model_acceptance,
                                observed=model_observed) if has_model else None
         self.budget_s = max(float(budget_s), 0.0)
@@ -276,12 +295,16 @@ class DefaultK:
         t_plain = self.costs.target_cost(1)
         return float("inf") if t_plain is None else self.EXPLORE_SHARE * self.BUDGET_STEPS * t_plain
 
+    def lookup_side(self, offered: int) -> AdaptiveK:
+        """The lookup controller for an offer of ``offered`` tokens (its LOOKUP_CONFIDENCE class)."""
+        return self.lookups[max(i for i, low in enumerate(self.lookup_bounds) if offered >= low or i == 0)]
+
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
                lookup_tokens: int = 0) -> int:
         if limit <= 0 or self.costs.target_cost(1) is None:
             return 0  # first step: measure a plain step before judging speculation
         lookup = lookup_tokens > 0
-        side = self.lookup if lookup else self.model
+        side = self.lookup_side(lookup_tokens) if lookup else self.model
         if side is None:
             return 0
         catchup = 0 if lookup else catchup_tokens
@@ -299,7 +322,7 @@ class DefaultK:
         t_plain = self.costs.target_cost(1)
         if step.drafted == 0:
             plain, spent = step.verify_s, step.verify_s
-            for side in (self.lookup, self.model):
+            for side in (*self.lookups, self.model):
                 if side is not None:
                     side.observe(step)  # plain time since the side's last probe
             self.steps["plain"] += 1
@@ -307,9 +330,11 @@ class DefaultK:
             # The step committed accepted + 1 tokens, which plain decoding makes in as many steps.
             plain = (step.accepted + 1) * (t_plain if t_plain is not None else step.verify_s)
             spent = step.draft_s + step.catchup_s + step.verify_s
-            side = self.lookup if step.lookup or self.model is None else self.model
+            lookup = step.lookup or self.model is None
+            # A pipelined carry offers no lookup count: what it drafted stands for it.
+            side = self.lookup_side(step.offered or step.drafted) if lookup else self.model
             side.observe(step)
-            self.steps["lookup" if side is self.lookup else "model"] += 1
+            self.steps["lookup" if lookup else "model"] += 1
         self.plain_s += plain
         self.overhead_s += spent - plain
         self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - plain), self.budget_cap())
@@ -317,8 +342,9 @@ class DefaultK:
 
     def snapshot(self) -> ControllerSnapshot:
         model = self.model.snapshot() if self.model is not None else ControllerSnapshot()
-        lookup = self.lookup.snapshot()
+        lookups = [side.snapshot() for side in self.lookups]
         return ControllerSnapshot(model.acceptance, model.observed,
-                                  model.catchup_deferred + lookup.catchup_deferred, tuple(self.mode_s.items()),
-                                  lookup.acceptance, lookup.observed, self.budget_s, self.plain_s, self.overhead_s,
+                                  model.catchup_deferred + sum(s.catchup_deferred for s in lookups),
+                                  tuple(self.mode_s.items()), tuple(s.acceptance for s in lookups),
+                                  tuple(s.observed for s in lookups), self.budget_s, self.plain_s, self.overhead_s,
                                   self.steps["lookup"], self.steps["model"])

@@ -56,6 +56,9 @@ class StepOutcome:
     # The proposal cost no draft-model forward in this step (a prompt/suffix lookup, or a draft
     # carried over from a pipelined step): its draft time says nothing about the draft model's c.
     lookup: bool = False
+    # Lookup steps: the tokens the lookup had ready when k was chosen (its chain length, which the
+    # suffix drafter bounds by its match length: the lookup's confidence). 0 for other steps.
+    offered: int = 0
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:

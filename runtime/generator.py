@@ -219,7 +219,7 @@ class Generator:
             controller = DefaultK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
                                   has_model=has_model, start_k=config.draft_tokens or spec.draft_tokens,
                                   model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
-                                  lookup_acceptance=list(learned.lookup_acceptance) or None,
+                                  lookup_acceptance=learned.lookup_acceptance,
                                   lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0)
         elif adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)

@@ -108,6 +108,7 @@ class _Run:
         self.history = [int(t) for t in prompt]
         self.carry: Proposal | None = None  # block n+1's proposal, drafted during block n's verify
         self.step_lookup = False  # this step's proposal runs no draft model (a lookup, or the carry)
+        self.step_offered = 0  # ... and the tokens that lookup had ready
         self.start = time.perf_counter()
 
     def commit(self, block: list[int]) -> list[int]:
@@ -147,6 +148,7 @@ class _Run:
 
     def choose_k(self) -> int:
         self.step_lookup = False
+        self.step_offered = 0
         limit = self.costs.latency_limit(self.max_latency_s, self.limit())
         if self.drafter is None or self.controller is None or limit <= 0:
             return 0
@@ -156,6 +158,7 @@ class _Run:
         # The history list itself is passed: no O(context) copy.
         lookup = self.drafter.lookup_tokens(self.history, limit)
         self.step_lookup = lookup > 0
+        self.step_offered = lookup
         catchup = self.drafter.pending_tokens(self.history)
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
@@ -188,7 +191,7 @@ class _Run:
         stats.catchup_s += catchup
         stats.catchup_tokens += catchup_tokens
         step = StepOutcome(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s, catchup, catchup_tokens,
-                           lookup=self.step_lookup)
+                           lookup=self.step_lookup, offered=self.step_offered)
         self.costs.observe(step)
         if self.controller is not None:
             self.controller.observe(step)

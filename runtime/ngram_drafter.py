@@ -36,11 +36,13 @@ class NGramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._tokens: list[int] = []
+        self._matched: tuple[int, int | None] = (-1, None)  # (sequence length, _match_start) last computed
         # _index[n][gram] = position following the most recent occurrence of gram that is
         # not the sequence's own suffix (the suffix is indexed one token late, see _extend).
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
 
     def begin(self, prompt: np.ndarray) -> None:
+        self._matched = (-1, None)
         self._tokens = []
         self._index = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         self._extend(prompt)
@@ -67,13 +69,18 @@ class NGramDrafter:
         return Proposal.empty() if start is None else Proposal(np.array(seq[start:start + k], np.int64))
 
     def _match_start(self) -> int | None:
-        """Where the continuation of the longest matching suffix starts, or None."""
+        """Where the continuation of the longest matching suffix starts, or None. A step asks up to
+        three times (lookup_tokens, pending_tokens, propose) on the same history: computed once."""
         seq = self._tokens
+        if self._matched[0] == len(seq):
+            return self._matched[1]
+        found = None
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self._index[n].get(tuple(seq[len(seq) - n:]))
-            if start is not None:
-                return start
-        return None
+            found = self._index[n].get(tuple(seq[len(seq) - n:]))
+            if found is not None:
+                break
+        self._matched = (len(seq), found)
+        return found
 
     def has_match(self, history) -> bool:
         """Whether ``propose(history, k)`` would propose anything (``history``: any int sequence)."""

@@ -291,9 +291,10 @@ def test_quick_bench_runs_every_config_on_every_workload_without_failures(quick_
     expected = {"baseline"} | {f"{d}-{v}" for d in DRAFTERS for v in ("k4", "adaptive")}
     assert set(doc["settings"]["configs"]) == expected
     assert set(doc["workloads"]) == set(CATEGORIES)
-    for entry in doc["workloads"].values():
+    for category, entry in doc["workloads"].items():
         assert set(entry["configs"]) == expected
-        assert all(c["runs"] == 1 for c in entry["configs"].values())
+        # One prompt per category; in `repeat` it comes with its return (repeat_of).
+        assert all(c["runs"] == (2 if category == "repeat" else 1) for c in entry["configs"].values())
         assert entry["configs"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert doc["failures"] == [] and doc["summary"]["exit_code"] == 0
     # The micro-benchmark measured every verify length a k up to max_draft_tokens needs.

@@ -35,6 +35,10 @@ def test_the_tuned_target_is_quantized_at_the_recorded_choice(tuned_bundle):
     assert _block_sizes(tuned_bundle / manifest.target.graph) == {tuning.chosen}
     for c in tuning.candidates:
         assert c.exact_step_ms > 0 and c.verify_ms > 0 and 0 <= c.greedy_agreement <= 1
+    # Whatever the CPU, the shipped graph keeps exact steps wherever the default block has them.
+    default = min(tuning.candidates, key=lambda c: c.block_size)
+    assert tuning.candidate(tuning.chosen).bit_identical or not default.bit_identical
+    assert manifest.extra.exact_steps["target"].bit_identical == tuning.candidate(tuning.chosen).bit_identical
     assert tuning.machine == MachineFingerprint.here(0)
     assert tuning.positions > 0
     # Only the chosen graph is in the bundle: the candidates' scratch folders are gone.
@@ -57,13 +61,17 @@ def test_info_says_what_was_chosen_and_where(tuned_bundle, monkeypatch):
     out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
     assert out.exit_code == 0, out.output
     line = next(l for l in out.output.splitlines() if "target block size" in l)
-    assert f"block size: {tuning.chosen}, chosen by export --tune on {tuning.machine.cpu}" in line
+    assert f"block size: {tuning.chosen}, chosen by export --tune on {tuning.machine.describe()}" in line
     assert "tuned elsewhere" not in line
 
-    monkeypatch.setattr(MachineFingerprint, "here", classmethod(lambda cls, threads: cls("Other CPU 9000", 64, threads)))
-    out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
-    line = next(l for l in out.output.splitlines() if "target block size" in l)
-    assert "tuned elsewhere: this machine is Other CPU 9000, 64 cores (the bundle runs as is" in line
+    taken = tuning.machine
+    for cpu, isa, cores in (("Other CPU 9000", taken.isa, taken.cores), (taken.cpu, "some_future_isa", taken.cores)):
+        # Another model, or the same model name with other vector extensions (two "AMD EPYC" VMs).
+        monkeypatch.setattr(MachineFingerprint, "here", classmethod(lambda cls, threads, c=cpu, i=isa, n=cores:
+                                                                     cls(c, n, threads, i)))
+        out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
+        line = next(l for l in out.output.splitlines() if "target block size" in l)
+        assert f"tuned elsewhere: this machine is {cpu} ({isa}), {cores} cores (the bundle runs as is" in line
 
     described = json.loads(CliRunner().invoke(main, ["info", str(tuned_bundle), "--json"]).output)
     assert described["extra"]["quant_tuning"]["target"]["chosen"] == tuning.chosen

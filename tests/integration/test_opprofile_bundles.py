@@ -81,7 +81,10 @@ def test_info_says_where_step_costs_were_measured(llama_bundle, bundle_copy):
     assert "tuning: not tuned" in CliRunner().invoke(main, ["info", str(bundle)]).output
     for machine, expected in ((MachineFingerprint.here(2).to_dict(), "step costs measured on this machine"),
                               ({"cpu": "Some Other CPU 9000", "cores": 64, "threads": 2},
-                               "tuned elsewhere (Some Other CPU 9000, 64 cores, threads=2)")):
+                               "tuned elsewhere (Some Other CPU 9000 (extensions not recorded), 64 cores, "
+                               "threads=2)"),
+                              # The same model name with other vector extensions is another machine too.
+                              ({**MachineFingerprint.here(2).to_dict(), "isa": "some_future_isa"}, "tuned elsewhere (")):
         doc["extra"]["cost_profile"] = {"machine": machine, "target_s": {"1": 0.01, "2": 0.012}}
         path.write_text(json.dumps(doc))
         result = CliRunner().invoke(main, ["info", str(bundle)])

@@ -22,7 +22,7 @@ from specedge.errors import BundleError, ManifestError, UnsafePathError
 from specedge.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
 from tiny_models import manifest_json
 
-MACHINE = MachineFingerprint(cpu="AMD EPYC 7B13", cores=2, threads=1)
+MACHINE = MachineFingerprint(cpu="AMD EPYC 7B13", cores=2, threads=1, isa="avx2,avx512f,avx512_vnni")
 PROFILE = CostProfile(machine=MACHINE, target_s={1: 0.01, 2: 0.012, 3: 0.014}, context=128, draft_token_s=0.002,
                       draft_catchup_token_s=0.0007)
 SHAPES = {"input_ids": ShapeRange((1, 1), (1, 5), (1, 9)), "past_key.0": ShapeRange((0, 2, 8), (64, 2, 8), (96, 2, 8))}
@@ -30,8 +30,8 @@ ENGINE = EngineRecord(route="native", tensorrt_version="10.3.0", gpu_name="NVIDI
                       precision="fp16", profiles=(Profile("step", SHAPES, {"num_logits_to_keep": ShapeRange((1,), (5,),
                                                                                                             (9,))}),),
                       file="target/model.plan", sha256="ab" * 32, cache_key="k")
-TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979),
-                                                  BlockCandidate(128, 55.2, 98.4, 0.986)),
+TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979, True),
+                                                  BlockCandidate(128, 55.2, 98.4, 0.986, False)),
                       chosen=128, positions=144, context=256)
 EXTRA = ManifestExtra(
     validation={"target:fp32": ValidationRecord({"prefill": 1e-5, "verify across edge 32": 2e-5}, 0.01, 1.0),
@@ -126,6 +126,7 @@ MALFORMED = [
     ("cost_profile.machine.cores", "2", r"'extra.cost_profile.machine.cores' must be int"),
     ("cost_profile.machine.threads", -1, r"'extra.cost_profile.machine.threads' must be >= 0"),
     ("cost_profile.machine.gpu", "x", r"'extra.cost_profile.machine.gpu' is not part of the schema"),
+    ("cost_profile.machine.isa", ["avx2"], r"'extra.cost_profile.machine.isa' must be str"),
     ("cost_profile.target_s.66", 0.1, r"'extra.cost_profile.target_s' has key '66'; keys are verify lengths "
                                       r"'1'..'65'"),
     ("cost_profile.target_s.2", 0, r"'extra.cost_profile.target_s.2' must be a finite number > 0"),
@@ -156,6 +157,8 @@ MALFORMED = [
     ("quant_tuning.target.candidates.1.exact_step_ms", 0, r"'extra.quant_tuning.target.candidates\[1\]' needs "
                                                           r"positive step times"),
     ("quant_tuning.target.positions", 0, r"'extra.quant_tuning.target.positions' must be >= 1"),
+    ("quant_tuning.target.candidates.1.bit_identical", 1, r"'extra.quant_tuning.target.candidates\[1\]"
+                                                          r".bit_identical' must be bool"),
     ("quant_tuning.target.machine.cpu", 7, r"'extra.quant_tuning.target.machine.cpu' must be str"),
     ("quant_tuning.target.seed", 1, r"'extra.quant_tuning.target.seed' is not part of the schema"),
 ]

@@ -181,15 +181,37 @@ def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
     # A 1-token lookup costs nothing on an exact 2-row step: no budget is needed to try it.
     assert controller.choose(8, catchup_tokens=64, lookup_tokens=1) == 1
     assert controller.choose(8, catchup_tokens=64, lookup_tokens=0) == 0  # the model: budget 0, no probe
-    rich = DefaultK(8, costs=costs, has_model=True, budget_s=1.0, lookup_acceptance=[0.95] * 8, lookup_observed=8)
+    rich = DefaultK(8, costs=costs, has_model=True, budget_s=1.0, lookup_acceptance=[[0.95] * 8] * 3,
+                    lookup_observed=[8] * 3)
     assert rich.choose(8, lookup_tokens=5) == 5  # never past what the lookup has
     assert rich.choose(3, lookup_tokens=5) == 3  # nor past the limit
 
 
 def test_a_lookup_that_is_never_accepted_is_cut_to_what_costs_nothing():
     costs = measured_costs()
-    controller = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[0.0] * 8, lookup_observed=8)
+    controller = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[0.0] * 8] * 3,
+                          lookup_observed=[8] * 3)
     assert controller.choose(8, lookup_tokens=6) <= 1  # longer verifies cost rows it never repays
+
+
+def test_lookup_acceptance_is_learned_per_offer_length():
+    """Long offers (deep matches) that are always right and short ones that never are: each class
+    learns its own acceptance, so a long offer is drafted whole while a short one is cut."""
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=False)
+    for _ in range(30):
+        for offered, accepted in ((8, 8), (2, 0)):
+            k = controller.choose(8, lookup_tokens=offered)
+            controller.observe(loop.StepOutcome(k, k, min(k, accepted), 0.0, verify_s(k + 1), lookup=True,
+                                                offered=offered))
+    assert controller.choose(8, lookup_tokens=8) == 8
+    assert controller.choose(8, lookup_tokens=2) <= 1
+    snap = controller.snapshot()
+    assert len(snap.lookup_acceptance) == len(DefaultK.LOOKUP_CONFIDENCE)
+    # Carried into the next reply's controller, the classes keep what they learned.
+    carried = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=snap.lookup_acceptance,
+                       lookup_observed=snap.lookup_observed)
+    assert carried.choose(8, lookup_tokens=8) == 8 and carried.choose(8, lookup_tokens=2) <= 1
 
 
 def test_loss_if_rejected_is_the_cost_models():
