@@ -16,8 +16,8 @@ validated fp32 graph at each candidate block size and measures, for each:
 
 * **exactness**: whether its exact steps equal verify rows bit for bit at every verify length
   (export/validate.py ``steps_match_verify_rows``). This is not a given: on an AVX-512 EPYC,
-  block 64 was 18% faster than block 32 and broke it, so speculation could have differed from
-  plain decoding at near ties.
+  block 64 stepped 18% faster than block 32 but its 3..9-token verify rows differed from its
+  exact steps, so speculation could have differed from plain decoding at near ties.
 
 The rule (:func:`choose`): among candidates whose agreement is at least the finest block's
 (the untuned default) and that are exact wherever the default is, the one with the fastest

@@ -211,9 +211,9 @@ def steps_match_verify_rows(engine, vocab_size: int, max_context: int, *, max_ve
     """Whether, on this machine, every verify length 2..``max_verify`` gives rows bit-identical to as
     many 1-token steps through ``engine`` (a :class:`BatchInvariantEngine`), logits and K/V alike.
 
-    Every length, not one: the CPU kernels tile the rows of a forward, and a verify of M rows can
-    run its last ones through another kernel than a 2-row step (block-64 int4 on an AVX-512 EPYC
-    matched at some lengths and not at 5, while block 32 matched at every length).
+    Every length, not one: the CPU kernels choose their path by the number of rows, and a verify of
+    M rows can round differently from a 2-row step (Qwen2.5-Coder-1.5B block-64 int4 on an AVX-512
+    EPYC: 2-token verifies matched, 3..9 did not; block 32 matched at every length).
     """
     rng = np.random.default_rng(seed)
     for verify in range(2, max_verify + 1):

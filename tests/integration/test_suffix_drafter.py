@@ -23,6 +23,7 @@ from specedge.errors import InvalidParameterError
 from specedge.runtime.drafters import DRAFTER_CHOICES, DRAFTERS, SuffixDrafter
 from specedge.runtime.generator import Generator
 from specedge.runtime.suffix import ReplyMemory, SuffixTrie
+from specedge.runtime.suffix_drafter import REPLY_CUE_TOKENS
 
 N_TOKENS = 40
 
@@ -164,7 +165,9 @@ def test_a_repeated_prompt_is_drafted_from_the_earlier_reply(llama_bundle):
     assert plain.stats.reply_memory_tokens == 0  # plain decoding records nothing
     kw = dict(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="suffix", draft_tokens=4)
     first = gen.generate(**kw)
-    assert first.stats.reply_memory_tokens == N_TOKENS and first.stats.reply_memory_bytes > 0
+    # The reply, after its prompt's last REPLY_CUE_TOKENS (the cue a repeated question matches).
+    assert first.stats.reply_memory_tokens == N_TOKENS + min(REPLY_CUE_TOKENS, len(PROMPT_IDS))
+    assert first.stats.reply_memory_bytes > 0
     second = gen.generate(**kw)
     assert first.token_ids == second.token_ids == plain.token_ids  # speed only
     assert second.stats.accepted > first.stats.accepted + N_TOKENS // 2
