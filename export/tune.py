@@ -143,7 +143,10 @@ def time_steps(candidates: list[Candidate], *, threads: int = 0, context: int = 
     rng = np.random.default_rng(seed)
     opened = []
     for c in candidates:
-        engine = BatchInvariantEngine(OrtEngine(c.entry, c.graph, EngineOptions(intra_op_threads=threads)))
+        # Spinning off: the candidates' sessions alternate on the same cores, and one session's spinning
+        # workers would steal the next one's (as in bench/opprofile.py's paired timing).
+        engine = BatchInvariantEngine(OrtEngine(c.entry, c.graph, EngineOptions(intra_op_threads=threads,
+                                                                               allow_spinning=False)))
         kv = engine.new_cache()
         fill = max(2, min(context, c.entry.max_context - VERIFY_TOKENS - 1))
         engine.forward(rng.integers(0, c.entry.vocab_size, fill).astype(np.int64), kv)
