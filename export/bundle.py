@@ -53,7 +53,8 @@ class ExportConfig:
     overwrite: bool = False
     quiet: bool = False
     # Quantized targets: quantize at every export/tune.py CANDIDATE_BLOCKS size and keep the one that
-    # steps fastest on this machine without losing greedy agreement with fp32 (block_size is then unused).
+    # steps fastest on this machine without losing greedy agreement with fp32 or exact steps
+    # (block_size is then unused).
     tune_block_size: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
 

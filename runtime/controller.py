@@ -229,7 +229,7 @@ class DefaultK:
        Acceptance is learned apart for each class of offer (``LOOKUP_CONFIDENCE``, by the
        tokens the lookup had ready, which the suffix drafter bounds by its match length): a
        12-token match with an earlier reply is right far more often than a 2-token one, and
-       one shared estimate held the long copies of a repeated reply to 2-3 tokens a step;
+       one shared estimate held the long copies of a repeated reply to 1-3 tokens a step;
     2. no lookup and a draft model: an :class:`AdaptiveK` over the draft model's acceptance and
        the CostModel's measured c, v(k) and catch-up chooses k, 0 when no k beats a plain step
        (llama.cpp likewise keeps, among its drafters, the one with the most expected accepted
