@@ -12,8 +12,7 @@ validated fp32 graph at each candidate block size and measures, for each:
 * **greedy agreement with fp32**: the fp32 graph decodes greedily from a few fixed prompts,
   then each candidate reads prompt + continuation in one forward; the agreement is the share
   of continuation positions where its argmax is fp32's token. That is the quantity a near
-  tie flips, on the model's own output rather than on random ids.
-
+  tie flips, on the model's own output rather than on random ids;
 * **exactness**: whether its exact steps equal verify rows bit for bit at every verify length
   (export/validate.py ``steps_match_verify_rows``). This is not a given: on an AVX-512 EPYC,
   block 64 stepped 18% faster than block 32 but its 3..9-token verify rows differed from its
@@ -21,9 +20,10 @@ validated fp32 graph at each candidate block size and measures, for each:
 
 The rule (:func:`choose`): among candidates whose agreement is at least the finest block's
 (the untuned default) and that are exact wherever the default is, the one with the fastest
-exact step, if it beats the default's by more than ``MIN_GAIN``; otherwise the default. The measurements and the choice go into the
-manifest (``extra.quant_tuning``) with the machine they were taken on; ``specedge info`` says
-when a bundle was tuned elsewhere (it still runs there: a block size is only a speed choice).
+exact step, if it beats the default's by more than ``MIN_GAIN``; otherwise the default. The
+measurements and the choice go into the manifest (``extra.quant_tuning``) with the machine they
+were taken on; ``specedge info`` says when a bundle was tuned elsewhere (it still runs there: a
+block size is only a speed choice).
 """
 
 from __future__ import annotations
@@ -40,12 +40,16 @@ from ..bundle_extra import BlockCandidate, MachineFingerprint, QuantTuning
 from ..errors import InvalidParameterError
 from ..manifest import ModelEntry
 
-CANDIDATE_BLOCKS = (32, 64, 128)  # MatMulNBits block sizes; 16 was slower everywhere we measured
+# MatMulNBits block sizes. 32 is the default export's (and ONNX Runtime GenAI's); 16 is not tried: it
+# reads twice block 32's scales per weight, and the bound on the default is agreement, not speed.
+CANDIDATE_BLOCKS = (32, 64, 128)
 # Cached positions for the timed steps: a short chat turn. Attention is a small share of an int4
 # step at this length (4-8% in docs/results/2026-12-03-profile-qwen-int4-avx512.md), so the
 # matmul layout, which is what differs between candidates, dominates the comparison.
 TIMING_CONTEXT = 256
-TIMING_REPS = 15  # per candidate; medians of 15 rotated runs moved < 2% between repeats on a quiet box
+# Rounds per candidate: the paired timing's 30-round medians moved 1-2% between runs on a quiet box;
+# 15 keeps the timing of three 1.5B candidates under a minute.
+TIMING_REPS = 15
 VERIFY_TOKENS = 5
 # A coarser block must be faster than the default by more than this to be chosen: paired medians on a
 # quiet 2-core box moved 1-2% between runs, so a smaller gain could be noise, and the default is
