@@ -41,7 +41,7 @@ from ..errors import InvalidParameterError
 from ..manifest import ModelEntry
 
 # MatMulNBits block sizes. 32 is the default export's (and ONNX Runtime GenAI's); 16 is not tried: it
-# reads twice block 32's scales per weight, and the bound on the default is agreement, not speed.
+# reads twice block 32's scales per weight, and the rule keeps a block only if it steps faster than 32.
 CANDIDATE_BLOCKS = (32, 64, 128)
 # Cached positions for the timed steps: a short chat turn. Attention is a small share of an int4
 # step at this length (4-8% in docs/results/2026-12-03-profile-qwen-int4-avx512.md), so the
