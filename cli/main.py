@@ -135,7 +135,8 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="Largest k; a verify step scores up to k+1 tokens.")
 @click.option("--block-size", type=int, default=None,
               help="Quantization block size (int4/int8). Default 32; with --tune, the one of 32/64/128 whose "
-              "exact step is fastest on this machine without lower greedy agreement with fp32.")
+              "exact step is fastest on this machine without lower greedy agreement with fp32 and whose plain "
+              "steps stay bit-identical to verify rows.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
@@ -151,7 +152,7 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Measure this machine: for an int4/int8 target without --block-size, "
               "quantize at block 32, 64 and 128 and keep the fastest that agrees with fp32 as often as block 32 "
-              "(a few minutes more); then time draft/target steps and v(k) and record the cost profile, so the "
+              "and keeps exact steps (a few minutes more); then time draft/target steps and v(k) and record the cost profile, so the "
               "adaptive controller starts informed. Both records name this machine (`specedge info`).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
