@@ -261,9 +261,9 @@ class ReplyMemory:
         question's tail and the chat template's assistant header in front, the same question
         matches the cue at full depth from the reply's first token on.
         """
+        if not len(reply):
+            return  # a reply with no tokens (cancelled at once) teaches nothing, whatever its cue
         reply = tuple(int(t) for t in (*cue, *reply))[-self.max_tokens:]
-        if not reply:
-            return
         while self._replies and self.tokens + len(reply) > self.max_tokens:
             old = self._replies.popleft()
             self.trie.remove(old)

@@ -143,3 +143,5 @@ def test_a_reply_remembered_after_its_cue_is_drafted_from_its_first_token():
     small = ReplyMemory(24, 8)
     small.add(reply, cue=question)
     assert small.tokens == 8 and small.replies == 1
+    small.add([], cue=question)  # an empty reply is not remembered for its cue alone
+    assert small.tokens == 8 and small.replies == 1
