@@ -29,7 +29,6 @@ block size is only a speed choice).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -143,6 +142,7 @@ def time_steps(candidates: list[Candidate], *, threads: int = 0, context: int = 
     from ..engines.base import EngineOptions
     from ..engines.invariant import BatchInvariantEngine
     from ..engines.ort import OrtEngine
+    from ..runtime.costs import time_forward
 
     rng = np.random.default_rng(seed)
     opened = []
@@ -161,16 +161,12 @@ def time_steps(candidates: list[Candidate], *, threads: int = 0, context: int = 
     verifies: dict[int, list[float]] = {c.block_size: [] for c in candidates}
     for _, engine, kv in opened:  # warm-up: first runs allocate and prepack
         for ids in (one, verify, one):
-            engine.forward(ids, kv, num_logits=len(ids))
-            kv.rewind(len(ids))
+            time_forward(engine, kv, ids)
     for r in range(reps):
         shift = r % len(opened)
         for c, engine, kv in opened[shift:] + opened[:shift]:
             for ids, into in ((one, steps), (verify, verifies)):
-                t0 = time.perf_counter()
-                engine.forward(ids, kv, num_logits=len(ids))
-                into[c.block_size].append(time.perf_counter() - t0)
-                kv.rewind(len(ids))
+                into[c.block_size].append(time_forward(engine, kv, ids))
     return {b: (statistics.median(steps[b]) * 1e3, statistics.median(verifies[b]) * 1e3) for b in steps}
 
 

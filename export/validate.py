@@ -242,9 +242,8 @@ def exact_steps(entry: ModelEntry, graph: Path, *, max_verify: int = 9, reps: in
     (the bundle's largest k + 1); ``two_row_step_cost`` is the median over ``reps`` paired timings
     of a 2-row step over a bare 1-row step (what exact plain decoding pays per token).
     """
-    import time
-
     from ..engines.invariant import BatchInvariantEngine
+    from ..runtime.costs import time_forward
 
     bare = OrtEngine(entry, graph, EngineOptions())
     engine = BatchInvariantEngine(bare)
@@ -255,14 +254,7 @@ def exact_steps(entry: ModelEntry, graph: Path, *, max_verify: int = 9, reps: in
     one, ratios = [], []
     token = np.asarray([1], np.int64)
     for _ in range(reps):
-        t0 = time.perf_counter()
-        bare.forward(token, kv)
-        t1 = time.perf_counter()
-        kv.rewind(1)
-        engine.forward(token, kv)
-        t2 = time.perf_counter()
-        kv.rewind(1)
-        one.append(t1 - t0)
-        ratios.append((t2 - t1) / (t1 - t0))
+        one.append(time_forward(bare, kv, token))
+        ratios.append(time_forward(engine, kv, token) / one[-1])
     return ExactSteps(bit_identical=same, two_row_step_cost=round(float(np.median(ratios)), 3),
                       one_row_step_ms=round(float(np.median(one)) * 1e3, 3))
