@@ -1,13 +1,19 @@
-"""Which thread split wins for verify-while-draft on this machine?
+"""Which thread split and spinning policy win for speculation on this machine?
 
     specedge bench threads BUNDLE [--prompts 3] [--max-new-tokens 64] [--repeats 3]
 
-Runs the same greedy prompts, interleaved, through: the baseline; sequential
-speculation with both sessions on all cores; pipelined speculation with the cores
-split between draft and target (1 + 1 on two cores); and pipelined with both
-sessions on all cores and intra-op spinning off (so an idle session does not burn
-the other's core). Prints tok/s medians and the median pairwise ratio to the
-baseline, and checks every output against the baseline's.
+Runs the same greedy prompts, interleaved, through plain decoding and sequential speculation
+under each intra-op spinning policy with both sessions on all cores:
+
+- ``stop``: spinning inside a run, stopped when it returns (the default with a draft loaded);
+- ``off``: no spinning (an idle session never burns the other's core, but every parallel
+  section inside a run wakes sleeping threads);
+- ``on``: ONNX Runtime's default (workers keep spinning after a run, stealing the other
+  session's cores);
+
+and pipelined speculation with the cores split between draft and target (1 + 1 on two
+cores) or shared with spinning off. Prints tok/s medians and the median pairwise ratio to
+the default plain decoding, and checks every output against it.
 """
 
 from __future__ import annotations
@@ -18,54 +24,65 @@ from pathlib import Path
 
 import numpy as np
 
+SPINNING = ("stop", "off", "on")  # the policies compared; the first is the loader's default with a draft
+
+
+def _options(threads: int, spinning: str):
+    from ..engines.base import EngineOptions
+
+    return EngineOptions(intra_op_threads=threads, allow_spinning=spinning != "off",
+                         stop_spinning_after_run=spinning == "stop")
+
 
 def run(bundle: Path, *, prompts: int, max_new_tokens: int, repeats: int, draft_tokens: int) -> int:
     """Run the comparison (defaults live in ``specedge bench threads``); print the table and a JSON
-    line; return 1 when a speculative output differs from the baseline's, else 0."""
-    from ..engines.base import EngineOptions
+    line; return 1 when an output differs from the default plain decoding's, else 0."""
     from ..runtime.generator import GenerationConfig, Generator
     from .suite import load_suite
 
     cores = os.cpu_count() or 2
     half = max(1, cores // 2)
-    setups = {
-        # name: (target threads, draft threads, spinning, mode, speculation)
-        "baseline": (cores, cores, True, "sequential", False),
-        f"sequential {cores}+{cores}": (cores, cores, True, "sequential", True),
-        f"pipelined {half}+{cores - half}": (half, cores - half, True, "pipelined", True),
-        f"pipelined {cores}+{cores} no-spin": (cores, cores, False, "pipelined", True),
-    }
+    # name: (target threads, draft threads, spinning, mode, speculation); the first is the reference
+    setups = {f"plain, spin {spin}": (cores, cores, spin, "sequential", False) for spin in SPINNING}
+    setups |= {f"sequential {cores}+{cores}, spin {spin}": (cores, cores, spin, "sequential", True)
+               for spin in SPINNING}
+    setups[f"pipelined {half}+{cores - half}, spin on"] = (half, cores - half, "on", "pipelined", True)
+    setups[f"pipelined {cores}+{cores}, spin off"] = (cores, cores, "off", "pipelined", True)
     generators = {}
-    for name, (t_threads, d_threads, spin, _, _) in setups.items():
+    for t_threads, d_threads, spin, _, _ in setups.values():
         key = (t_threads, d_threads, spin)
         if key not in generators:
-            options = EngineOptions(intra_op_threads=t_threads, allow_spinning=spin)
-            generators[key] = Generator.from_bundle(bundle, engine_options=options, draft_threads=d_threads,
-                                                    verify_checksums=False)
+            generators[key] = Generator.from_bundle(bundle, engine_options=_options(t_threads, spin),
+                                                    draft_threads=d_threads, verify_checksums=False)
             generators[key].warmup(tune=False)
     texts = [w.prompt for w in load_suite().select(["code", "chat", "grounded"], per_category=1)
              if isinstance(w.prompt, str)][:prompts]
     rates: dict[str, list[float]] = {name: [] for name in setups}
     ratios: dict[str, list[float]] = {name: [] for name in setups}
     failures = []
-    for _ in range(repeats):
-        for prompt in texts:
-            base_tokens, base_rate = None, None
-            for name, (t_threads, d_threads, spin, mode, speculation) in setups.items():
-                gen = generators[(t_threads, d_threads, spin)]
+    names = list(setups)
+    reference = names[0]
+    for round_index in range(repeats):
+        for prompt_index, prompt in enumerate(texts):
+            # The order rotates every run, so no setup always follows the same one (a session
+            # that just ran leaves warm caches and, spinning, busy cores behind).
+            shift = (round_index * len(texts) + prompt_index) % len(names)
+            runs = {}
+            for name in names[shift:] + names[:shift]:
+                t_threads, d_threads, spin, mode, speculation = setups[name]
                 config = GenerationConfig(max_new_tokens=max_new_tokens, speculation=speculation,
                                           drafter="model", draft_tokens=draft_tokens, mode=mode)
-                result = gen.generate(prompt, config=config)
-                rate = result.stats.tokens_per_s
-                if not speculation:
-                    base_tokens, base_rate = result.token_ids, rate
-                elif result.token_ids != base_tokens:
+                runs[name] = generators[(t_threads, d_threads, spin)].generate(prompt, config=config)
+            base = runs[reference]
+            for name, result in runs.items():
+                if result.token_ids != base.token_ids:
                     failures.append(name)
-                rates[name].append(rate)
-                ratios[name].append(rate / base_rate if base_rate else 0.0)
+                rates[name].append(result.stats.tokens_per_s)
+                ratios[name].append(result.stats.tokens_per_s / base.stats.tokens_per_s
+                                    if base.stats.tokens_per_s else 0.0)
     out = {name: {"tok_s_median": float(np.median(rates[name])), "speedup_median": float(np.median(ratios[name]))}
            for name in setups}
     for name, row in out.items():
-        print(f"{name:28s} {row['tok_s_median']:7.2f} tok/s   {row['speedup_median']:.2f}x")
+        print(f"{name:32s} {row['tok_s_median']:7.2f} tok/s   {row['speedup_median']:.2f}x")
     print(json.dumps({"results": out, "output_mismatches": failures}))
     return 1 if failures else 0

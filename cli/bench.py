@@ -214,12 +214,14 @@ def variants(target, draft, work, threads, context, max_context, max_new_tokens,
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True,
               help="Fixed k for every speculative setup.")
 def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
-    """Which thread split wins for pipelined speculation on this machine?
+    """Which thread split and spinning policy win for speculation on this machine?
 
-    Runs the same greedy prompts, interleaved, through the baseline, sequential speculation
-    on all cores, pipelined speculation with the cores split between draft and target, and
-    pipelined with both on all cores and spinning off. Prints tok/s medians and the median
-    ratio to the baseline; exits 1 if any output differs from the baseline's.
+    Runs the same greedy prompts, interleaved in rotating order, through plain decoding and
+    sequential speculation under each intra-op spinning policy (stop: spin inside a run, stop
+    when it returns, the default with a draft; off; on: ORT's default), and pipelined
+    speculation with the cores split between draft and target or shared with spinning off.
+    Prints tok/s medians and the median ratio to plain decoding with the default policy;
+    exits 1 if any output differs from it.
     """
     from ..bench import threads as split
 

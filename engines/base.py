@@ -35,9 +35,15 @@ class EngineOptions:
     device_id: int = 0
     use_io_binding: bool = True  # bind cache slices in place instead of copying outputs
     optimized_model_path: str | None = None  # where ORT may save the optimized graph
-    # Each ORT run spins its worker threads afterwards to catch the next call; with two
-    # sessions on a 2-core box that spinning steals the other session's cores.
+    # ORT's worker threads spin (busy-wait) for the next parallel section instead of sleeping.
+    # Within a run that is what makes small per-layer sections fast; between runs they keep
+    # spinning to catch the next call, and with two sessions on the same cores that idle
+    # spinning steals the other session's cores.
     allow_spinning: bool = True
+    # Stop the workers' spinning the moment a run returns (ORT's session.force_spinning_stop):
+    # spinning helps inside a run and costs nothing between runs. Set when a target and a
+    # draft session share the cores (runtime/loading.py).
+    stop_spinning_after_run: bool = False
     # ONNX Runtime's per-node profiler writes <prefix>_<date>.json (bench/opprofile.py reads it);
     # None: off (it times every node, which costs a little on every run).
     profile_prefix: str | None = None

@@ -86,6 +86,8 @@ class OrtEngine:
         so.log_severity_level = 3  # ORT's warnings about unused initializers are noise to users
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if options.stop_spinning_after_run:
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         if options.optimized_model_path:
             so.optimized_model_filepath = options.optimized_model_path
         if options.profile_prefix:

@@ -39,12 +39,16 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
         raise InvalidParameterError(f"the bundle must be a folder path (str or Path); got {type(path).__name__}")
     bundle = Path(path)
     manifest = load_manifest(bundle, verify_checksums=verify_checksums)
-    # Two sessions alternate on the same cores when a draft is loaded; ORT's worker threads
-    # spin after each run and would steal the other session's cores (measured here: the
-    # int4 Qwen pair's k=4 speculation went from 9.4 to 14.8 tok/s with spinning off).
+    # Two sessions alternate on the same cores when a draft is loaded. ORT's worker threads
+    # keep spinning after a run and would steal the other session's cores (the int4 Qwen pair's
+    # k=4 speculation ran 9.4 tok/s that way, 14.8 with spinning off), but spinning off slows
+    # every run's own parallel sections. So spinning stays on inside a run and stops when the
+    # run returns (AVX-512 EPYC, 2 threads, Qwen int4 pair, medians of 6 runs, off -> stop:
+    # exact plain 13.9-17.2 -> 15.7-18.5 tok/s, model k=4 16.0-17.5 -> 18.5-20.9;
+    # docs/results/2026-12-03-spinning-qwen-int4-avx512.md).
     two_sessions = manifest.draft is not None and load_draft
     options = engine_options or EngineOptions(provider=provider, intra_op_threads=threads,
-                                              allow_spinning=not two_sessions)
+                                              stop_spinning_after_run=two_sessions)
     tok = manifest.tokenizer
     template = None
     if tok.chat_template:
