@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ..bench.suite import CATEGORIES
+from ..bench.threads import DEFAULT_SPINNING, SPINNING
 from ..runtime.drafters import DRAFTERS
 
 QUICK = {"per_category": 1, "max_new_tokens": 16, "repeats": 1, "warmup_tokens": 4, "micro_reps": 3}
@@ -213,7 +214,10 @@ def variants(target, draft, work, threads, context, max_context, max_new_tokens,
               help="Rounds over the prompts; every setup runs once per prompt per round, interleaved.")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True,
               help="Fixed k for every speculative setup.")
-def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
+@click.option("--spinning", default=",".join(DEFAULT_SPINNING), show_default=True,
+              help=f"Comma list of spinning policies to compare, from {', '.join(SPINNING)}; the first is the "
+              "reference. 'on' leaves the cores busy after each run, which skews the setups run after it.")
+def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) -> None:
     """Which thread split and spinning policy win for speculation on this machine?
 
     Runs the same greedy prompts, interleaved in rotating order, through plain decoding and
@@ -225,8 +229,13 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens) -> None:
     """
     from ..bench import threads as split
 
+    policies = tuple(p.strip() for p in spinning.split(",") if p.strip())
+    unknown = sorted(set(policies) - set(SPINNING))
+    if unknown or not policies:
+        raise click.BadParameter(f"use a comma list of {', '.join(SPINNING)}; got {spinning!r}",
+                                 param_hint="--spinning")
     sys.exit(split.run(bundle, prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
-                       draft_tokens=draft_tokens))
+                       draft_tokens=draft_tokens, spinning=policies))
 
 
 @bench.command()

@@ -34,5 +34,14 @@ def test_bench_threads_compares_every_spinning_policy_with_equal_outputs(int4_bu
     assert rc == 0 and report["output_mismatches"] == []
     names = list(report["results"])
     assert names[0] == "plain, spin stop" and report["results"][names[0]]["speedup_median"] == 1.0
-    for spin in threads.SPINNING:
+    for spin in threads.DEFAULT_SPINNING:
         assert any(name.endswith(f"spin {spin}") and name.startswith("sequential") for name in names)
+
+
+def test_bench_threads_refuses_an_unknown_spinning_policy(int4_bundle):
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", "threads", str(int4_bundle), "--spinning", "stop,sometimes"])
+    assert result.exit_code == 2 and "use a comma list of stop, off, on; got 'stop,sometimes'" in result.output
