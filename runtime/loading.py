@@ -43,9 +43,9 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
     # keep spinning after a run and would steal the other session's cores (the int4 Qwen pair's
     # k=4 speculation ran 9.4 tok/s that way, 14.8 with spinning off), but spinning off slows
     # every run's own parallel sections. So spinning stays on inside a run and stops when the
-    # run returns (AVX-512 EPYC, 2 threads, Qwen int4 pair, medians of 6 runs, off -> stop:
-    # exact plain 13.9-17.2 -> 15.7-18.5 tok/s, model k=4 16.0-17.5 -> 18.5-20.9;
-    # docs/results/2026-12-03-spinning-qwen-int4-avx512.md).
+    # run returns (`specedge bench threads`, AVX-512 EPYC, 2 threads, Qwen int4 pair, off -> stop:
+    # plain 14.96 -> 15.88 tok/s, model k=4 12.99 -> 14.02; with stop an idle draft no longer
+    # slows plain decoding; docs/results/2026-12-03-spinning-qwen-int4-avx512.md).
     two_sessions = manifest.draft is not None and load_draft
     options = engine_options or EngineOptions(provider=provider, intra_op_threads=threads,
                                               stop_spinning_after_run=two_sessions)
