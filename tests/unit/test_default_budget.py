@@ -225,3 +225,34 @@ def test_loss_if_rejected_is_the_cost_models():
     costs.observe(loop.StepOutcome(1, 1, 1, 0.0, 0.5, lookup=True))
     assert view.target_s[2] == costs.target_s[2] and view.step_cost(4) == costs.target_cost(5)
     assert costs.draft_token_s == DRAFT_S  # a lookup step says nothing about the draft model's c
+
+
+def test_an_unobserved_offer_class_starts_from_a_shorter_class_that_was_accepted():
+    """Short offers that were all accepted lift a longer class's first offers above its prior; a
+    longer class's estimates never flow down to shorter offers, nor replace one it has learned."""
+    assert len(DefaultK.LOOKUP_PRIORS) == len(DefaultK.LOOKUP_CONFIDENCE)
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=False)
+    prior = controller.lookup_side(8).expected_tokens(8)
+    for _ in range(12):
+        k = controller.choose(8, lookup_tokens=2)
+        controller.observe(loop.StepOutcome(k, k, k, 0.0, verify_s(k + 1), lookup=True, offered=2))
+    assert controller.lookup_side(8).expected_tokens(8) > prior
+    assert controller.lookup_side(8).observed == controller.lookup_side(2).observed
+    # A class that learned its own estimate keeps it.
+    learned = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[1.0] * 8, [0.0] * 8, [0.0] * 8],
+                       lookup_observed=[8, 8, 8])
+    assert learned.choose(8, lookup_tokens=8) <= 1
+    # A shorter class that did worse than the longer class's prior leaves it at its prior.
+    worse = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[0.3] * 8], lookup_observed=[8])
+    assert worse.lookup_side(8).observed == 0 and worse.lookup_side(8).alpha[0] == DefaultK.LOOKUP_PRIORS[-1]
+    # Nothing flows down: a long class that is always right leaves the short class at its prior.
+    down = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[], [], [1.0] * 8],
+                    lookup_observed=[0, 0, 8])
+    assert down.lookup_side(2).observed == 0 and down.lookup_side(2).alpha[0] == DefaultK.LOOKUP_PRIORS[0]
+
+
+def test_longer_offers_start_from_higher_priors():
+    """Before any outcome, a full offer is trusted more than a 1-2 token one (LOOKUP_PRIORS)."""
+    controller = DefaultK(8, costs=measured_costs(), has_model=False)
+    assert controller.choose(8, lookup_tokens=8) > controller.choose(8, lookup_tokens=2)
