@@ -460,7 +460,7 @@ class Generator:
     # --------------------------------------------------------------------- prompt cache
     def _prompt_cache_key(self, exact: bool) -> dict:
         return prompt_cache.cache_key(self.manifest, exact=exact, runtime=self.loaded.runtime,
-                                      with_draft=self.draft is not None)
+                                      with_draft=self.draft is not None, threads=self.threads)
 
     def save_prompt_cache(self, path: str | Path, prompt: str | None = None, *, messages: list[dict] | None = None,
                           input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,

@@ -28,12 +28,13 @@ from typing import Sequence
 
 import numpy as np
 
+from ..bundle_extra import MachineFingerprint
 from ..engines.base import KVCache
 from ..errors import PromptCacheError
 from ..manifest import Manifest, ModelEntry
 
 FORMAT = "specedge-prompt-cache"
-VERSION = 1
+VERSION = 2  # 2: the key holds the CPU's extensions and the thread count
 # A header is a few KB (a token list at most max_context long); anything much larger is not ours.
 MAX_HEADER_BYTES = 16 << 20
 
@@ -45,15 +46,20 @@ def _graph_sha256(manifest: Manifest, entry: ModelEntry | None) -> str | None:
     return ",".join(manifest.files[rel].sha256 for rel in (entry.graph, *entry.data_files))
 
 
-def cache_key(manifest: Manifest, *, exact: bool, runtime: str, with_draft: bool) -> dict:
+def cache_key(manifest: Manifest, *, exact: bool, runtime: str, with_draft: bool, threads: int) -> dict:
     """Everything a cached K/V depends on: the graphs (by sha256), their precision, cache shape and
-    dtype, the exactness setting (2-row steps or not) and the runtime that computed it
-    (``"onnxruntime <version> <provider>"``: kernels differ in the low bits across versions)."""
+    dtype, the exactness setting (2-row steps or not), the runtime that computed it
+    (``"onnxruntime <version> <provider>"``: kernels differ in the low bits across versions), the
+    CPU's vector extensions (ONNX Runtime's MLAS picks its matmul kernels by them: AVX2 and AVX-512
+    int4 kernels round differently, so a file moved between such machines would not hold the bits a
+    cold prefill computes there) and the intra-op thread count (how the kernels split their work;
+    equal bits at 1 and 2 threads were measured, not promised)."""
     t, d = manifest.target, manifest.draft if with_draft else None
     return {"target_sha256": _graph_sha256(manifest, t), "target_precision": t.precision,
             "draft_sha256": _graph_sha256(manifest, d), "draft_precision": d.precision if d else None,
             "max_context": t.max_context, "kv_dtype": t.kv_dtype, "attention": t.attention,
-            "tokenizer_sha256": manifest.tokenizer.sha256, "exact": exact, "runtime": runtime}
+            "tokenizer_sha256": manifest.tokenizer.sha256, "exact": exact, "runtime": runtime,
+            "cpu_isa": MachineFingerprint.here(threads).isa, "threads": threads}
 
 
 def _host(kv: KVCache, what: str) -> None:
@@ -129,7 +135,8 @@ class Loaded:
 
 def _mismatch(got: dict, want: dict) -> list[str]:
     def short(value):  # a graph's digests: the first 12 hex digits name it well enough in a message
-        return f"{value[:12]}…" if isinstance(value, str) and len(value) > 24 else repr(value)
+        digest = isinstance(value, str) and len(value) > 24 and set(value) <= set("0123456789abcdef,")
+        return f"{value[:12]}…" if digest else repr(value)
 
     return [f"{name} {short(got.get(name))} (this Generator: {short(value)})" for name, value in want.items()
             if got.get(name) != value]

@@ -4,7 +4,8 @@
   saved prefix prefills only its tail and replies exactly as a cold start (greedy, fp32 target;
   plain and speculative, the draft's prefix loaded too).
 - Every unusable file is refused with PromptCacheError naming why, and a refused load changes
-  no slot: another bundle (graph sha256), another exactness setting, a draft-less Generator,
+  no slot: another bundle (graph sha256), another exactness setting, another CPU's vector
+  extensions or thread count, a draft-less Generator,
   a truncated, corrupt, foreign or pickled file, a missing header, another format version,
   out-of-range tokens, wrong array shapes, a missing path or a directory; saving into a
   missing folder or onto a directory.
@@ -85,6 +86,23 @@ def test_exactness_and_draft_presence_are_part_of_the_key(int4_bundle, fresh, sa
         fresh(int4_bundle).load_prompt_cache(saved, exact=False)
     with pytest.raises(PromptCacheError, match=r"draft_sha256 [0-9a-f]{12}… \(this Generator: None\)"):
         fresh(int4_bundle, load_draft=False).load_prompt_cache(saved)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("cpu_isa", "made-up-extension", r"cpu_isa 'made-up-extension' \(this Generator: '"),
+    ("threads", 7, r"threads 7 \(this Generator: 1\)"),
+])
+def test_another_cpu_or_thread_count_is_refused(int4_bundle, fresh, saved, field, value, message):
+    """The kernels ONNX Runtime picks depend on the CPU's extensions (and split work by threads): a
+    file written elsewhere need not hold the bits a cold prefill computes here."""
+    from specedge.errors import PromptCacheError
+
+    def edit(header):
+        header["key"][field] = value
+
+    _rewrite(saved, header=edit)
+    with pytest.raises(PromptCacheError, match=message):
+        fresh(int4_bundle).load_prompt_cache(saved)
 
 
 def _rewrite(path, *, header=None, drop=(), replace=None):
