@@ -269,9 +269,9 @@ class DefaultK:
     # Where each class starts (per-position acceptance before it has seen an outcome): the pooled
     # first-position acceptance of the default's lookups over every bench workload (2 prompts each,
     # 64 tokens), measured alike with the Qwen2.5-Coder-1.5B int4 target (0.56, 0.82, 0.92) and the
-    # SmolLM2-135M fp32 one (0.60, 0.81, 0.90). A property of the text and the match length, not of the CPU. The old
-    # shared prior (0.6) cut the first 12-token offers of a repeated reply to 1-3 tokens; the bench's
-    # voice and repeat replies are ~14 tokens, so the start decides much of the reply.
+    # SmolLM2-135M fp32 one (0.60, 0.81, 0.90): a property of the text and the match length, not of
+    # the CPU. The old shared prior (0.6) cut the first 12-token offers of a repeated reply to 1-3
+    # tokens; the bench's voice and repeat replies are ~14 tokens, so the start decides much of them.
     LOOKUP_PRIORS = (0.6, 0.8, 0.9)
 
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
