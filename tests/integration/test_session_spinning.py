@@ -29,7 +29,9 @@ def test_bench_threads_compares_every_spinning_policy_with_equal_outputs(int4_bu
 
     from specedge.bench import threads
 
-    rc = threads.run(int4_bundle, prompts=1, max_new_tokens=6, repeats=1, draft_tokens=2)
+    # Pipelined setups split the cores (the target on fewer threads than the reference): equal bits
+    # across thread counts were measured, not promised, so they stay out of an equality test.
+    rc = threads.run(int4_bundle, prompts=1, max_new_tokens=6, repeats=1, draft_tokens=2, pipelined=False)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["output_mismatches"] == []
     names = list(report["results"])
