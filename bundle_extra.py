@@ -269,7 +269,9 @@ class BlockCandidate:
     """One block size measured by ``export --tune`` (export/tune.py)."""
 
     block_size: int
-    exact_step_ms: float  # median 1-token step through the batch-invariant engine (2 rows)
+    # median 1-token step as the role runs it: through the batch-invariant engine (2 rows) for a target,
+    # 1 row for a draft (QuantTuning.step_rows; the name predates draft tuning)
+    exact_step_ms: float
     verify_ms: float  # median 5-token verify
     greedy_agreement: float  # share of fp32 greedy tokens this graph's argmax reproduces, teacher-forced
     bit_identical: bool  # its exact steps equal verify rows bit for bit at every verify length (validate.py)
@@ -305,18 +307,22 @@ class QuantTuning:
     chosen: int  # the block size the bundle's graph was quantized with
     positions: int  # fp32 greedy tokens the agreement was measured on
     context: int  # cached positions of the timed steps
+    # Rows of the timed step: 2 for a target (its exact plain step; exactness required), 1 for a draft
+    # (drafts run plain 1-row steps and are verified, so exactness is not required). Older records: 2.
+    step_rows: int = 2
 
     def candidate(self, block_size: int) -> BlockCandidate:
         return next(c for c in self.candidates if c.block_size == block_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {"machine": self.machine.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
-                "chosen": self.chosen, "positions": self.positions, "context": self.context}
+                "chosen": self.chosen, "positions": self.positions, "context": self.context,
+                "step_rows": self.step_rows}
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "QuantTuning":
         check_type(obj, where, dict)
-        refuse_unknown(obj, ("machine", "candidates", "chosen", "positions", "context"), where)
+        refuse_unknown(obj, ("machine", "candidates", "chosen", "positions", "context", "step_rows"), where)
         raw = read_field(obj, "candidates", where, list)
         if not raw:
             raise ManifestError(f"manifest field '{where}.candidates' must list at least one block size")
@@ -329,8 +335,12 @@ class QuantTuning:
         for key, value in counts.items():
             if value < 1:
                 raise ManifestError(f"manifest field '{where}.{key}' must be >= 1, got {value}")
+        step_rows = read_field(obj, "step_rows", where, int, optional=True, default=2)
+        if step_rows not in (1, 2):
+            raise ManifestError(f"manifest field '{where}.step_rows' must be 1 (a draft) or 2 (a target), "
+                                f"got {step_rows}")
         return cls(machine=MachineFingerprint.from_dict(read_field(obj, "machine", where, dict), f"{where}.machine"),
-                   candidates=candidates, chosen=chosen, **counts)
+                   candidates=candidates, chosen=chosen, step_rows=step_rows, **counts)
 
 
 # --------------------------------------------------------------------------- TensorRT engine records

@@ -52,9 +52,9 @@ class ExportConfig:
     trust_pickle: bool = False
     overwrite: bool = False
     quiet: bool = False
-    # Quantized targets: quantize at every export/tune.py CANDIDATE_BLOCKS size and keep the one that
-    # steps fastest on this machine without losing greedy agreement with fp32 or exact steps
-    # (block_size is then unused).
+    # Quantized targets and drafts: quantize at every export/tune.py CANDIDATE_BLOCKS size and keep the
+    # one that steps fastest on this machine without losing greedy agreement with fp32 (nor, for a
+    # target, exact steps); block_size is then unused.
     tune_block_size: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
 
@@ -219,10 +219,11 @@ class _ModelExporter:
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                                       src_entry.max_context)
         tuning = tune_block_size(candidates, src_entry, src_graph, prompts, max_verify=cfg.max_draft_tokens + 1,
-                                 threads=cfg.tune_threads, progress=self.progress)
+                                 threads=cfg.tune_threads, role=role, progress=self.progress)
         self.quant_tuning[role] = tuning
-        measured = "; ".join(f"block {c.block_size}: step {c.exact_step_ms:.1f} ms, agreement {c.greedy_agreement:.3f}"
-                             f"{'' if c.bit_identical else ', NOT exact'}" for c in tuning.candidates)
+        measured = "; ".join(f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
+                             f"{c.greedy_agreement:.3f}{'' if c.bit_identical or tuning.step_rows == 1 else ', NOT exact'}"
+                             for c in tuning.candidates)
         self.progress(f"tune: {role} keeps block {tuning.chosen} ({measured})")
         out = []
         for path in files[tuning.chosen]:  # the graph keeps its data file's name: moved together, it still loads
@@ -366,8 +367,10 @@ def export_bundle(config: ExportConfig) -> Manifest:
             layers = f", first {config.draft_layers} layers" if config.draft_layers else ""
             progress(f"building self-draft ({precision} copy of the target{layers})")
             what = f"self-{precision}{layers} of {target_loaded.source}"
-            draft = target_exp._write("draft", precision, what, layers=config.draft_layers, head_ids=head_ids)
+            draft = target_exp._write("draft", precision, what, layers=config.draft_layers, head_ids=head_ids,
+                                      tune_block_size=config.tune_block_size and precision in QUANTIZED)
             reports.update(target_exp.reports)
+            quant_tuning.update(target_exp.quant_tuning)
             variance.update(target_exp.batch_variance)
         del target_exp, target_loaded
         gc.collect()
@@ -381,9 +384,11 @@ def export_bundle(config: ExportConfig) -> Manifest:
                     "share the target's tokenizer")
             progress(f"building + validating draft graph ({config.draft_precision or config.precision})")
             draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256)
-            draft = draft_exp._write("draft", config.draft_precision or config.precision, draft_loaded.source,
-                                     head_ids=head_ids)
+            draft_precision = config.draft_precision or config.precision
+            draft = draft_exp._write("draft", draft_precision, draft_loaded.source, head_ids=head_ids,
+                                     tune_block_size=config.tune_block_size and draft_precision in QUANTIZED)
             reports.update(draft_exp.reports)
+            quant_tuning.update(draft_exp.quant_tuning)
             variance.update(draft_exp.batch_variance)
             if draft_exp.context_warning:
                 warned["draft"] = draft_exp.context_warning

@@ -1,4 +1,5 @@
-"""``export --tune`` on a quantized target: the block size is measured and chosen on this machine."""
+"""``export --tune`` on a quantized target and its quantized draft: the block size is measured and chosen on
+this machine (the target's with exact steps required, the draft's without: its tokens are verified)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tiny_models import PROMPT_IDS
 
 @pytest.fixture(scope="module")
 def tuned_bundle(tiny_model, export):
-    return export(tiny_model("llama"), precision="int4", tune_block_size=True)
+    return export(tiny_model("llama"), draft="self-int4", precision="int4", tune_block_size=True)
 
 
 def _block_sizes(graph) -> set[int]:
@@ -46,6 +47,20 @@ def test_the_tuned_target_is_quantized_at_the_recorded_choice(tuned_bundle):
     assert not [p for p in tuned_bundle.iterdir() if p.name.startswith(".")]
 
 
+def test_the_tuned_draft_is_quantized_at_its_own_choice_without_requiring_exactness(tuned_bundle):
+    manifest = load_manifest(tuned_bundle)
+    tuning = manifest.extra.quant_tuning["draft"]
+    assert tuning.step_rows == 1 and manifest.extra.quant_tuning["target"].step_rows == 2
+    assert [c.block_size for c in tuning.candidates] == list(CANDIDATE_BLOCKS)
+    assert tuning.chosen == choose(tuning.candidates, require_exact=False)
+    assert _block_sizes(tuned_bundle / manifest.draft.graph) == {tuning.chosen}
+    default = min(tuning.candidates, key=lambda c: c.block_size)
+    assert tuning.candidate(tuning.chosen).greedy_agreement >= default.greedy_agreement
+    out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
+    line = next(l for l in out.output.splitlines() if "draft block size" in l)
+    assert "1-row step" in line and "not exact" not in line
+
+
 def test_a_tuned_bundle_decodes_exactly(tuned_bundle, load_generator):
     from specedge.runtime.options import GenerationConfig
 
@@ -54,6 +69,9 @@ def test_a_tuned_bundle_decodes_exactly(tuned_bundle, load_generator):
     spec = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, drafter="ngram",
                                                                      draft_tokens=3))
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 1
+    by_model = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, drafter="model",
+                                                                         draft_tokens=3, adaptive=False))
+    assert by_model.token_ids == plain.token_ids
 
 
 def test_info_says_what_was_chosen_and_where(tuned_bundle, monkeypatch):

@@ -150,6 +150,7 @@ MALFORMED = [
     ("quant_tuning.target.chosen", 64, r"'extra.quant_tuning.target.chosen' is 64, which is not among the measured "
                                        r"block sizes \[32, 128\]"),
     ("quant_tuning.target.candidates", [], r"'extra.quant_tuning.target.candidates' must list at least one"),
+    ("quant_tuning.target.step_rows", 3, r"'extra.quant_tuning.target.step_rows' must be 1 \(a draft\) or 2"),
     ("quant_tuning.target.candidates.0.block_size", 48, r"'extra.quant_tuning.target.candidates\[0\].block_size' "
                                                         r"must be a power of two >= 16"),
     ("quant_tuning.target.candidates.0.greedy_agreement", 1.2, r"'extra.quant_tuning.target.candidates\[0\]"

@@ -33,6 +33,14 @@ def test_a_faster_block_that_breaks_exact_steps_is_refused():
     assert choose((block(32, 62.6, 0.903, exact=False), block(64, 51.5, 0.903, exact=False))) == 64
 
 
+def test_a_draft_may_take_a_faster_block_that_is_not_exact():
+    """A draft's tokens are all verified by the target, so its block needs no exact steps; agreement still
+    bounds it."""
+    candidates = (block(32, 20.0, 0.86), block(64, 17.0, 0.87, exact=False), block(128, 14.0, 0.85, exact=False))
+    assert choose(candidates) == 32  # a target's rule
+    assert choose(candidates, require_exact=False) == 64  # block 128 agrees less than block 32
+
+
 def test_a_gain_inside_timing_noise_keeps_the_default():
     just_inside = 67.0 * (1 - MIN_GAIN) + 0.01
     assert choose((block(32, 67.0, 0.98), block(128, just_inside, 0.99))) == 32
