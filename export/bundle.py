@@ -383,7 +383,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                     f"({len(draft_loaded.tokenizer.get_vocab())} vs {len(target_vocab)} tokens); a draft must "
                     "share the target's tokenizer")
             progress(f"building + validating draft graph ({config.draft_precision or config.precision})")
-            draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256)
+            draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256, progress.note)
             draft_precision = config.draft_precision or config.precision
             draft = draft_exp._write("draft", draft_precision, draft_loaded.source, head_ids=head_ids,
                                      tune_block_size=config.tune_block_size and draft_precision in QUANTIZED)
