@@ -311,6 +311,11 @@ class QuantTuning:
     # (drafts run plain 1-row steps and are verified, so exactness is not required). Older records: 2.
     step_rows: int = 2
 
+    @property
+    def exact_required(self) -> bool:
+        """Whether the choice had to keep exact steps (a target's record; a draft's tokens are verified)."""
+        return self.step_rows == 2
+
     def candidate(self, block_size: int) -> BlockCandidate:
         return next(c for c in self.candidates if c.block_size == block_size)
 

@@ -365,17 +365,17 @@ def _quant_tuning_line(tuning) -> str:
 
     chosen, default = tuning.candidate(tuning.chosen), min(tuning.candidates, key=lambda c: c.block_size)
     taken = tuning.machine
-    step = "exact step" if tuning.step_rows == 2 else "1-row step"
+    step = "exact step" if tuning.exact_required else "1-row step"
     line = f"{chosen.block_size}, chosen by export --tune on {taken.describe()}: {step} {chosen.exact_step_ms:.1f} ms"
     if chosen is not default:
         line += (f" vs {default.exact_step_ms:.1f} ms at block {default.block_size}, greedy agreement with fp32 "
                  f"{chosen.greedy_agreement:.3f} vs {default.greedy_agreement:.3f}")
     else:
         line += (f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (no coarser block was faster, as "
-                 + ("faithful and exact)" if tuning.step_rows == 2 else "faithful)"))
+                 + ("faithful and exact)" if tuning.exact_required else "faithful)"))
     line += f" over {tuning.positions} tokens"
     # A draft's exactness is measured but not required: the target verifies every draft token.
-    refused = [str(c.block_size) for c in tuning.candidates if not c.bit_identical and tuning.step_rows == 2]
+    refused = [str(c.block_size) for c in tuning.candidates if not c.bit_identical and tuning.exact_required]
     if refused:
         line += f"; not exact on that machine (plain steps != verify rows): block {', '.join(refused)}"
     here = MachineFingerprint.here(taken.threads)

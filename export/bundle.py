@@ -222,7 +222,7 @@ class _ModelExporter:
                                  threads=cfg.tune_threads, role=role, progress=self.progress)
         self.quant_tuning[role] = tuning
         measured = "; ".join(f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
-                             f"{c.greedy_agreement:.3f}{'' if c.bit_identical or tuning.step_rows == 1 else ', NOT exact'}"
+                             f"{c.greedy_agreement:.3f}{'' if c.bit_identical or not tuning.exact_required else ', NOT exact'}"
                              for c in tuning.candidates)
         self.progress(f"tune: {role} keeps block {tuning.chosen} ({measured})")
         out = []
@@ -382,9 +382,9 @@ def export_bundle(config: ExportConfig) -> Manifest:
                     f"draft {config.draft} has a different vocabulary from target {config.target} "
                     f"({len(draft_loaded.tokenizer.get_vocab())} vs {len(target_vocab)} tokens); a draft must "
                     "share the target's tokenizer")
-            progress(f"building + validating draft graph ({config.draft_precision or config.precision})")
-            draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256, progress.note)
             draft_precision = config.draft_precision or config.precision
+            progress(f"building + validating draft graph ({draft_precision})")
+            draft_exp = _ModelExporter(tmp, draft_loaded, config, tokenizer.sha256, progress.note)
             draft = draft_exp._write("draft", draft_precision, draft_loaded.source, head_ids=head_ids,
                                      tune_block_size=config.tune_block_size and draft_precision in QUANTIZED)
             reports.update(draft_exp.reports)
