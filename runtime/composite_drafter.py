@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import model_drafter
-from .drafting import DraftModel
+from .drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, DraftModel, LookupOffer
 from .model_drafter import ModelDrafter
 from .ngram_drafter import NGramDrafter
 from .verify import Proposal
@@ -50,10 +50,12 @@ class CompositeDrafter(ModelCatchupOfLastProposal):
         self.ngram.begin(prompt)
         self.model.begin(prompt)
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
-        proposal = self.ngram.propose(history, k)
-        if len(proposal.tokens):
-            self.last_source = "ngram"
+    def propose(self, history: np.ndarray, k: int, source: str = ANY_SOURCE) -> Proposal:
+        """The n-gram lookup's tokens when it has a match (unless ``source`` is the model), else the
+        model's (unless ``source`` is the lookup)."""
+        proposal = self.ngram.propose(history, k) if source != MODEL_SOURCE else Proposal.empty()
+        if len(proposal.tokens) or source == LOOKUP_SOURCE:
+            self.last_source = "ngram" if len(proposal.tokens) else "none"
             return proposal
         self.last_source = "model"
         return self.model.propose(history, k)
@@ -66,9 +68,8 @@ class CompositeDrafter(ModelCatchupOfLastProposal):
         # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
         return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
 
-    def lookup_tokens(self, history, limit: int) -> int:
-        return self.ngram.lookup_tokens(history, limit)
-
+    def lookup_offer(self, history, limit: int) -> LookupOffer:
+        return self.ngram.lookup_offer(history, limit)
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None) -> CompositeDrafter:

@@ -1,6 +1,7 @@
-"""Draft-length controllers: how many tokens to draft before the next verify.
+"""Draft-length controllers: how many tokens to draft before the next verify, and from where.
 
-``choose(limit) -> k`` picks 0..limit (0 = a plain target step); ``observe(step)``
+``choose(limit) -> DraftPlan`` picks k in 0..limit (0 = a plain target step) and the drafter's
+source to draft from (``ANY_SOURCE`` unless the controller chooses one); ``observe(step)``
 feeds back how much of the step was accepted (its costs go to the CostModel, which
 the loop feeds; a controller only reads it); ``snapshot()`` is
 all the loop and the Generator read back (stats, and what the next reply starts from).
@@ -13,6 +14,22 @@ from typing import Protocol, Sequence
 
 from ..errors import InvalidParameterError
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema, expected_tokens
+from .drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, SOURCES, STRONG_MATCH
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A controller's choice for the next step."""
+
+    k: int  # tokens to draft, 0..limit (0: a plain target step)
+    source: str = ANY_SOURCE  # which of the drafter's sources drafts them (runtime/drafting.py SOURCES)
+
+    def __post_init__(self) -> None:
+        if self.k < 0 or self.source not in SOURCES:
+            raise ValueError(f"a draft plan needs k >= 0 and a source in {SOURCES}; got {self.k}, {self.source!r}")
+
+
+PLAIN = DraftPlan(0)
 
 
 @dataclass(frozen=True)
@@ -30,8 +47,9 @@ class ControllerSnapshot:
     budget_s: float | None = None  # None: not tracked (other controllers)
     plain_s: float = 0.0  # what plain decoding would have spent on this reply's steps (DefaultK)
     overhead_s: float = 0.0  # net seconds speculation spent beyond that (negative: it saved time)
-    lookup_steps: int = 0  # steps DefaultK served with a lookup
+    lookup_steps: int = 0  # steps DefaultK served with a lookup (guesses included)
     model_steps: int = 0  # ... and with the draft model
+    guess_steps: int = 0  # ... and with a guess (a lookup continuing a 1-token match)
 
 
 class Controller(Protocol):
@@ -40,10 +58,11 @@ class Controller(Protocol):
     name: str
 
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
-               lookup_tokens: int = 0) -> int:
-        """k in 0..limit. ``catchup_tokens``: what the drafter reads before drafting;
-        ``expected_remaining``: tokens this reply is still expected to run (None = unknown);
-        ``lookup_tokens``: what the drafter's next proposal would take from a lookup (no model)."""
+               lookup_tokens: int = 0, lookup_match: int = 0) -> DraftPlan:
+        """k in 0..limit and its source. ``catchup_tokens``: what the drafter's model reads before
+        drafting; ``expected_remaining``: tokens this reply is still expected to run (None =
+        unknown); ``lookup_tokens``/``lookup_match``: what the drafter's lookup has ready (no model)
+        and the match length it continues (its ``LookupOffer``; match 0: not known)."""
         ...
 
     def observe(self, step: StepOutcome) -> None: ...
@@ -62,8 +81,8 @@ class FixedK:
         self.k = k
 
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
-               lookup_tokens: int = 0) -> int:
-        return min(self.k, limit)
+               lookup_tokens: int = 0, lookup_match: int = 0) -> DraftPlan:
+        return DraftPlan(max(min(self.k, limit), 0))
 
     def observe(self, step: StepOutcome) -> None:
         pass
@@ -168,18 +187,31 @@ class AdaptiveK:
             return False
         return expected_remaining * (1 / rate_plain - 1 / rate_k) >= one_off
 
+    def best_k(self, limit: int) -> int:
+        """The k in 0..min(limit, max_k) with the highest :meth:`effective_rate` (pure: no probe,
+        no state change); 0 before a plain step was measured."""
+        limit = min(limit, self.max_k)
+        if limit <= 0 or self.costs.target_cost(1) is None:
+            return 0
+        return max(range(limit + 1), key=self.effective_rate)
+
     # --- protocol -----------------------------------------------------------------
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
-               lookup_tokens: int = 0) -> int:
+               lookup_tokens: int = 0, lookup_match: int = 0) -> DraftPlan:
+        """The next step's k, from the drafter's own order of sources (``lookup_*`` are not read: one
+        acceptance model covers whatever the drafter proposes)."""
+        return DraftPlan(self.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=expected_remaining))
+
+    def choose_k(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None) -> int:
         """k for the next step. ``catchup_tokens``: what the drafter must feed before drafting;
         ``expected_remaining``: tokens this reply is still expected to run (None = unknown).
-        ``lookup_tokens`` is not read: one acceptance model covers whatever the drafter proposes."""
+        Probes and catch-up deferrals are counted here (not in :meth:`best_k`)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
         if self.costs.target_cost(1) is None:
             return 0  # first step: measure a plain step before judging speculation
-        best = max(range(limit + 1), key=self.effective_rate)
+        best = self.best_k(limit)
         if best > 0 and not self.catchup_pays(best, catchup_tokens, expected_remaining):
             self.catchup_deferred += 1
             return 0  # not a k = 0 verdict on speculation itself: no probe is due for it
@@ -216,24 +248,28 @@ class AdaptiveK:
 
 
 class DefaultK:
-    """The default policy: lookup drafts whenever they exist, the draft model only where the cost
-    model predicts a gain, plain steps otherwise; exploring is paid from a budget.
+    """The default policy: per step, the source with the most expected tokens per second (a
+    lookup, the draft model, or a plain step); exploring the draft model is paid from a budget.
 
-    Per step, with ``lookup_tokens`` what the drafter's lookup has ready (runtime/auto_drafter.py):
+    Per step, with ``lookup_tokens``/``lookup_match`` what the drafter's lookup has ready
+    (runtime/auto_drafter.py), as llama.cpp keeps, among its drafters, the one with the most
+    expected accepted tokens per cost:
 
-    1. a lookup exists: draft it (SuffixDecoding, Oliaro et al., arXiv 2411.04975: a lookup
-       runs no model, so its draft costs microseconds). Its length is chosen by an
-       :class:`AdaptiveK` that sees the lookup's own per-position acceptance and the
-       CostModel's target costs with a free draft (``CostModel.lookup_view``): it is capped
-       where verifying more rows stops paying (on a 2-row exact step one token is free).
-       Acceptance is learned apart for each class of offer (``LOOKUP_CONFIDENCE``, by the
-       tokens the lookup had ready, which the suffix drafter bounds by its match length): a
-       12-token match with an earlier reply is right far more often than a 2-token one, and
-       one shared estimate held the long copies of a repeated reply to 1-3 tokens a step;
-    2. no lookup and a draft model: an :class:`AdaptiveK` over the draft model's acceptance and
-       the CostModel's measured c, v(k) and catch-up chooses k, 0 when no k beats a plain step
-       (llama.cpp likewise keeps, among its drafters, the one with the most expected accepted
-       tokens per cost);
+    1. the lookup (SuffixDecoding, Oliaro et al., arXiv 2411.04975: it runs no model, so its
+       draft costs microseconds): its k is chosen by an :class:`AdaptiveK` that sees the lookup's
+       own per-position acceptance and the CostModel's target costs with a free draft
+       (``CostModel.lookup_view``), capped where verifying more rows stops paying (on a 2-row
+       exact step one token is free). Acceptance is learned apart for each class of offer
+       (``LOOKUP_CONFIDENCE``): a 12-token match with an earlier reply is right far more often
+       than a 2-token one (one shared estimate held the long copies of a repeated reply to 1-3
+       tokens a step), and a *guess*, one token after a 1-token match, less often still; on an
+       exact step its row is otherwise a recompute, so even a guess right a third of the time
+       pays;
+    2. the draft model: an :class:`AdaptiveK` over its acceptance and the CostModel's measured c,
+       v(k) and catch-up chooses k, 0 when no k beats a plain step. Where a lookup was drafted
+       too, the model runs instead only when its expected rate, this step's catch-up included,
+       beats the lookup's (a 1-2 token lookup continuing a weak match against a draft model that
+       is right 9 times in 10);
     3. otherwise a plain step.
 
     Exploration budget: every draft-model step (its drafts might all be rejected) is allowed
@@ -260,19 +296,22 @@ class DefaultK:
     # 64-token catch-up fits, a winning streak cannot fund a long losing one.
     BUDGET_STEPS = 512
 
-    # Lower bounds of the offer classes (tokens the lookup had ready): 1-2 (a short match), 3 up to
-    # max_k - 1, and a full offer of max_k (``None`` here). The suffix drafter offers a full max_k only
-    # after a match at least that long: on the bench's repeated questions, the memory's 12-token
-    # matches (right) then no longer share an estimate with 6-7-token copies out of the system
-    # prompt (often wrong past their third token), which had held the repeats to k = 1.
-    LOOKUP_CONFIDENCE = (1, 3, None)
+    # The offer classes, weakest evidence first: a guess (``LookupOffer.guess``: a 1-token match),
+    # then strong lookups by the tokens they had ready: 1-2 (a short match), 3 up to max_k - 1, and
+    # a full offer of max_k (``None`` here). The suffix drafter offers a full max_k only after a
+    # match at least that long: on the bench's repeated questions, the memory's 12-token matches
+    # (right) then no longer share an estimate with 6-7-token copies out of the system prompt
+    # (often wrong past their third token), which had held the repeats to k = 1.
+    LOOKUP_CONFIDENCE = ("guess", 1, 3, None)
     # Where each class starts (per-position acceptance before it has seen an outcome): the pooled
     # first-position acceptance of the default's lookups over every bench workload (2 prompts each,
     # 64 tokens), measured alike with the Qwen2.5-Coder-1.5B int4 target (0.56, 0.82, 0.92) and the
     # SmolLM2-135M fp32 one (0.60, 0.81, 0.90): a property of the text and the match length, not of
     # the CPU. The old shared prior (0.6) cut the first 12-token offers of a repeated reply to 1-3
     # tokens; the bench's voice and repeat replies are ~14 tokens, so the start decides much of them.
-    LOOKUP_PRIORS = (0.6, 0.8, 0.9)
+    # Guesses: 51 of 133 right (0.38) where the Qwen int4 target's plain replies had no strong match,
+    # pooled over the bench's workloads (0.19 on chat, 0.57 on code).
+    LOOKUP_PRIORS = (0.4, 0.6, 0.8, 0.9)
 
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
                  model_acceptance: list[float] | None = None, model_observed: int = 0,
@@ -282,7 +321,8 @@ class DefaultK:
         ``budget_s``: what the previous reply ended with (its :meth:`snapshot`; the lookup's, one
         entry per ``LOOKUP_CONFIDENCE`` class)."""
         self.costs = costs
-        self.lookup_bounds = tuple(max_k if low is None else low for low in self.LOOKUP_CONFIDENCE)
+        # Lower bounds (tokens ready) of the strong classes, LOOKUP_CONFIDENCE[1:].
+        self.lookup_bounds = tuple(max_k if low is None else low for low in self.LOOKUP_CONFIDENCE[1:])
         view = costs.lookup_view()
         carried = list(lookup_acceptance or ())
         observed = list(lookup_observed)
@@ -297,23 +337,27 @@ class DefaultK:
         self.plain_s = 0.0
         self.overhead_s = 0.0
         self.mode_s = {"speculative": 0.0, "plain": 0.0}
-        self.steps = {"lookup": 0, "model": 0, "plain": 0}  # how the steps were served
+        self.steps = {"lookup": 0, "model": 0, "plain": 0, "guess": 0}  # how the steps were served
 
     def budget_cap(self) -> float:
         t_plain = self.costs.target_cost(1)
         return float("inf") if t_plain is None else self.EXPLORE_SHARE * self.BUDGET_STEPS * t_plain
 
-    def lookup_side(self, offered: int) -> AdaptiveK:
-        """The lookup controller for an offer of ``offered`` tokens (its LOOKUP_CONFIDENCE class).
+    def lookup_side(self, offered: int, match: int = 0) -> AdaptiveK:
+        """The lookup controller for an offer of ``offered`` tokens continuing a ``match``-token
+        match (0: not known): its LOOKUP_CONFIDENCE class.
 
-        A class that has observed nothing yet starts from the nearest shorter class that has, where
+        A class that has observed nothing yet starts from the nearest weaker class that has, where
         that one did better than this class's prior: a longer match is at least as good evidence as
         a shorter one, so what the short offers achieved is a floor for the long ones. Traced on the
         bench's hostile-random-chars (a copy whose every draft is right): with every class starting
         from its prior, the first 12-token offers were cut to 1-3 tokens although the 1-2 token
         offers before them had all been accepted.
         """
-        index = max(i for i, low in enumerate(self.lookup_bounds) if offered >= low or i == 0)
+        if 0 < match < STRONG_MATCH:
+            index = 0
+        else:
+            index = 1 + max(i for i, low in enumerate(self.lookup_bounds) if offered >= low or i == 0)
         side = self.lookups[index]
         if side.observed == 0:
             seen = next((other for other in reversed(self.lookups[:index]) if other.observed), None)
@@ -323,22 +367,36 @@ class DefaultK:
         return side
 
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
-               lookup_tokens: int = 0) -> int:
+               lookup_tokens: int = 0, lookup_match: int = 0) -> DraftPlan:
         if limit <= 0 or self.costs.target_cost(1) is None:
-            return 0  # first step: measure a plain step before judging speculation
-        lookup = lookup_tokens > 0
-        side = self.lookup_side(lookup_tokens) if lookup else self.model
-        if side is None:
-            return 0
-        catchup = 0 if lookup else catchup_tokens
-        k = side.choose(min(limit, lookup_tokens) if lookup else limit, catchup_tokens=catchup,
-                        expected_remaining=expected_remaining)
-        # A lookup is not gated: its draft is free and its k is the lookup's own AdaptiveK choice (a
-        # rejected lookup costs only the extra verify rows, and its acceptance cuts k within steps).
+            return PLAIN  # first step: measure a plain step before judging speculation
+        lookup: tuple[float, DraftPlan] | None = None  # (effective rate, plan)
+        if lookup_tokens > 0:
+            # A lookup is not gated: its draft is free and its k is the lookup's own AdaptiveK choice
+            # (a rejected lookup costs only the extra verify rows, and its acceptance cuts k within steps).
+            side = self.lookup_side(lookup_tokens, lookup_match)
+            k = side.choose_k(min(limit, lookup_tokens), expected_remaining=expected_remaining)
+            if k > 0:
+                lookup = (side.effective_rate(k), DraftPlan(k, LOOKUP_SOURCE))
+        if self.model is None or (lookup is not None and not self.model_beats(lookup[0], limit, catchup_tokens)):
+            return lookup[1] if lookup is not None else PLAIN
+        k = self.model.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=expected_remaining)
         # The draft model's probes, priors and catch-ups run only when the budget covers their loss.
-        while not lookup and k > 0 and self.costs.loss_if_rejected(k, catchup) > self.budget_s:
+        while k > 0 and self.costs.loss_if_rejected(k, catchup_tokens) > self.budget_s:
             k -= 1  # what the budget cannot cover if every draft is rejected
-        return k
+        if k > 0:
+            return DraftPlan(k, MODEL_SOURCE)
+        return lookup[1] if lookup is not None else PLAIN
+
+    def model_beats(self, lookup_rate: float, limit: int, catchup_tokens: int) -> bool:
+        """Whether the draft model's best k promises more tokens per second than ``lookup_rate``
+        (a lookup's effective rate), with this step's catch-up charged to this step alone (pure)."""
+        k = self.model.best_k(limit)
+        cost = self.costs.step_cost(k)
+        if k == 0 or cost is None:
+            return False
+        cost += self.costs.catchup_cost(catchup_tokens)
+        return self.model.expected_tokens(k) / cost / AdaptiveK.SPECULATION_MARGIN > lookup_rate
 
     def observe(self, step: StepOutcome) -> None:
         """Charge the step to the budget, then teach the side that drafted it (plain steps: both)."""
@@ -355,9 +413,10 @@ class DefaultK:
             spent = step.draft_s + step.catchup_s + step.verify_s
             lookup = step.lookup or self.model is None
             # A pipelined carry offers no lookup count: what it drafted stands for it.
-            side = self.lookup_side(step.offered or step.drafted) if lookup else self.model
+            side = self.lookup_side(step.offered or step.drafted, step.match) if lookup else self.model
             side.observe(step)
             self.steps["lookup" if lookup else "model"] += 1
+            self.steps["guess"] += int(lookup and 0 < step.match < STRONG_MATCH)
         self.plain_s += plain
         self.overhead_s += spent - plain
         self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - plain), self.budget_cap())
@@ -370,4 +429,4 @@ class DefaultK:
                                   model.catchup_deferred + sum(s.catchup_deferred for s in lookups),
                                   tuple(self.mode_s.items()), tuple(s.acceptance for s in lookups),
                                   tuple(s.observed for s in lookups), self.budget_s, self.plain_s, self.overhead_s,
-                                  self.steps["lookup"], self.steps["model"])
+                                  self.steps["lookup"], self.steps["model"], self.steps["guess"])

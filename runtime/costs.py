@@ -59,6 +59,7 @@ class StepOutcome:
     # Lookup steps: the tokens the lookup had ready when k was chosen (its chain length, which the
     # suffix drafter bounds by its match length: the lookup's confidence). 0 for other steps.
     offered: int = 0
+    match: int = 0  # ... and the length of the match it continued (0: not known; 1: a guess)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:

@@ -3,13 +3,16 @@
 Every drafter has three methods (as in llama.cpp's common_speculative):
 
 - ``begin(prompt)``: a new generation starts; ``prompt`` int64 ``[P]``.
-- ``propose(history, k) -> Proposal``: up to k tokens continuing ``history``
-  (int64 ``[H]``, every committed token, prompt included). May return fewer.
+- ``propose(history, k, source) -> Proposal``: up to k tokens continuing ``history``
+  (int64 ``[H]``, every committed token, prompt included), from ``source`` (a drafter with
+  several sources, the default's lookup and draft model, drafts from the one the controller
+  chose; ``ANY_SOURCE``: its own order). May return fewer.
 - ``accept(history, n_accepted)``: the step committed; ``history`` is the new
   committed sequence, of which the last token came from the target.
 
-and declares whether its next proposal is a lookup (``lookup_tokens``: no model runs,
-the draft costs microseconds) and its catch-up accounting, which the cost model weighs: a draft model
+and declares what its lookup has ready (``lookup_offer``: tokens a lookup would draft, which
+runs no model and costs microseconds, and the length of the match they continue) and its
+catch-up accounting, which the cost model weighs: a draft model
 must read history it has not seen (its deferred prompt prefill, or tokens committed
 by plain steps) before it can propose, a one-off that only the rest of the reply can
 repay. A drafter with no such cost (prompt lookup) reports 0 throughout.
@@ -33,6 +36,36 @@ if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the re
     from .verify import Proposal
 
 
+# Where a step's draft comes from (the controller's DraftPlan.source, runtime/controller.py).
+ANY_SOURCE = "any"  # the drafter's own order (a controller that does not choose between sources)
+LOOKUP_SOURCE = "lookup"  # a lookup: no model runs
+MODEL_SOURCE = "model"  # the draft model
+SOURCES = (ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE)
+
+# The shortest match a lookup drafts from on its own: a single repeated token predicts the next one
+# badly (the n-gram drafter measured 0.0-0.2 acceptance on chat and voice replies, below the
+# break-even of a k-token verify). A 1-token match is only a *guess*: the default drafts one where a
+# plain step would run anyway, on an exact 2-row step whose second row is otherwise a recompute
+# (engines/invariant.py), and learns its acceptance apart (runtime/controller.py DefaultK).
+STRONG_MATCH = 2
+
+
+@dataclass(frozen=True)
+class LookupOffer:
+    """What a drafter's lookup has ready for the next step (``Drafter.lookup_offer``)."""
+
+    tokens: int = 0  # tokens it would draft (0: none; the drafter would run its model, or nothing)
+    match: int = 0  # length of the matched context they continue (0: not known, e.g. n-gram lookup)
+
+    @property
+    def guess(self) -> bool:
+        """A lookup continuing a match shorter than ``STRONG_MATCH``: drafted only when chosen."""
+        return 0 < self.match < STRONG_MATCH
+
+
+NO_LOOKUP = LookupOffer()
+
+
 class Drafter(Protocol):
     name: str  # the registry key that built it (stats, and what the Generator learns per drafter)
 
@@ -48,7 +81,7 @@ class Drafter(Protocol):
 
     def begin(self, prompt: "np.ndarray") -> None: ...
 
-    def propose(self, history: "np.ndarray", k: int) -> "Proposal": ...
+    def propose(self, history: "np.ndarray", k: int, source: str = ANY_SOURCE) -> "Proposal": ...
 
     def accept(self, history: "np.ndarray", n_accepted: int) -> None: ...
 
@@ -57,11 +90,11 @@ class Drafter(Protocol):
         bound); 0 for a drafter that reads nothing. Only ``len(history)`` may be relied on."""
         ...
 
-    def lookup_tokens(self, history: Sequence[int], limit: int) -> int:
-        """How many tokens (<= ``limit``) the next ``propose(history, k)`` would take from a
-        lookup, which runs no model (0: it would run its draft model, or propose nothing).
-        ``history``: the committed sequence (the loop's list). The default policy drafts a
-        lookup whenever one exists; other controllers ignore it."""
+    def lookup_offer(self, history: Sequence[int], limit: int) -> LookupOffer:
+        """What the next ``propose(history, k, LOOKUP_SOURCE)`` would take from a lookup, which runs
+        no model: at most ``limit`` tokens (``NO_LOOKUP``: it would run its draft model, or propose
+        nothing). ``history``: the committed sequence (the loop's list). The default policy weighs
+        it against its draft model; other controllers read only whether it exists."""
         ...
 
 

@@ -36,7 +36,8 @@ import numpy as np
 from ..engines.base import Engine, KVCache
 from .controller import Controller
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema
-from .drafting import Drafter
+from .controller import PLAIN, DraftPlan
+from .drafting import ANY_SOURCE, LOOKUP_SOURCE, NO_LOOKUP, Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .verify import NEAR_TIE_GAP, Proposal, verify
@@ -108,7 +109,8 @@ class _Run:
         self.history = [int(t) for t in prompt]
         self.carry: Proposal | None = None  # block n+1's proposal, drafted during block n's verify
         self.step_lookup = False  # this step's proposal runs no draft model (a lookup, or the carry)
-        self.step_offered = 0  # ... and the tokens that lookup had ready
+        self.step_offer = NO_LOOKUP  # ... and what that lookup had ready
+        self.step_source = ANY_SOURCE  # the drafter's source the controller chose for this step
         self.start = time.perf_counter()
 
     def commit(self, block: list[int]) -> list[int]:
@@ -147,24 +149,33 @@ class _Run:
         return min(self.kv.capacity - len(self.history), self.max_new_tokens - len(self.result.tokens) - 1)
 
     def choose_k(self) -> int:
+        """This step's k (0: a plain step); sets the step's source and lookup offer."""
+        plan = self._plan()
+        self.step_source = plan.source
+        return plan.k
+
+    def _plan(self) -> DraftPlan:
         self.step_lookup = False
-        self.step_offered = 0
+        self.step_offer = NO_LOOKUP
         limit = self.costs.latency_limit(self.max_latency_s, self.limit())
         if self.drafter is None or self.controller is None or limit <= 0:
-            return 0
+            return PLAIN
         if self.carry is not None:
             self.step_lookup = True  # drafted during the last verify: this step runs no draft model
-            return min(len(self.carry.tokens), limit)
+            return DraftPlan(min(len(self.carry.tokens), limit))
         # The history list itself is passed: no O(context) copy.
-        lookup = self.drafter.lookup_tokens(self.history, limit)
-        self.step_lookup = lookup > 0
-        self.step_offered = lookup
+        offer = self.drafter.lookup_offer(self.history, limit)
         catchup = self.drafter.pending_tokens(self.history)
         generated = len(self.result.tokens)
         remaining = None if self.horizon is None else \
             self.horizon(generated, self.max_new_tokens - generated)
-        return self.controller.choose(limit, catchup_tokens=catchup, expected_remaining=remaining,
-                                      lookup_tokens=lookup)
+        plan = self.controller.choose(limit, catchup_tokens=catchup, expected_remaining=remaining,
+                                      lookup_tokens=offer.tokens, lookup_match=offer.match)
+        # A controller that does not choose a source gets the drafter's own order: a lookup when one exists.
+        self.step_lookup = plan.source == LOOKUP_SOURCE or (plan.source == ANY_SOURCE and offer.tokens > 0)
+        if self.step_lookup:
+            self.step_offer = offer
+        return plan
 
     def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
         verdict = verify(proposal, logits, self.sampling, self.rng, self.near_tie)
@@ -191,7 +202,7 @@ class _Run:
         stats.catchup_s += catchup
         stats.catchup_tokens += catchup_tokens
         step = StepOutcome(k, drafted, accepted, max(draft_s - catchup, 0.0), verify_s, catchup, catchup_tokens,
-                           lookup=self.step_lookup, offered=self.step_offered)
+                           lookup=self.step_lookup, offered=self.step_offer.tokens, match=self.step_offer.match)
         self.costs.observe(step)
         if self.controller is not None:
             self.controller.observe(step)
@@ -200,7 +211,8 @@ class _Run:
         t0 = time.perf_counter()
         # A plain step needs only the last token: converting the whole history to an array
         # (O(context) per token) is paid only when a drafter reads it.
-        proposal = self._take_carry(k) or (self.drafter.propose(np.asarray(self.history, np.int64), k)
+        proposal = self._take_carry(k) or (self.drafter.propose(np.asarray(self.history, np.int64), k,
+                                                                self.step_source)
                                            if k > 0 else Proposal.empty())
         drafted = len(proposal.tokens)
         t1 = time.perf_counter()
@@ -227,7 +239,7 @@ class _Run:
     def step_pipelined(self, k: int, pool: ThreadPoolExecutor) -> list[int]:
         t0 = time.perf_counter()
         arr = np.asarray(self.history, np.int64)
-        proposal = self._take_carry(k) or self.drafter.propose(arr, k)
+        proposal = self._take_carry(k) or self.drafter.propose(arr, k, self.step_source)
         drafted = len(proposal.tokens)
         t1 = time.perf_counter()
         if drafted == 0:

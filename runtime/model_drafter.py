@@ -9,7 +9,7 @@ import numpy as np
 
 from ..engines.base import Engine
 from .sampling import SamplingConfig, sample, warp
-from .drafting import DraftModel
+from .drafting import ANY_SOURCE, NO_LOOKUP, DraftModel, LookupOffer
 from .slots import DraftPrefix
 from .verify import Proposal
 
@@ -135,8 +135,8 @@ class ModelDrafter:
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
 
-    def lookup_tokens(self, history, limit: int) -> int:
-        return 0  # every proposal runs the draft model
+    def lookup_offer(self, history, limit: int) -> LookupOffer:
+        return NO_LOOKUP  # every proposal runs the draft model
 
     def pending_tokens(self, history) -> int:
         """How many tokens the next ``propose(history, k)`` feeds before its first draft token
@@ -160,7 +160,9 @@ class ModelDrafter:
             self._feed(np.asarray(history[head:self._head], np.int64), logits=False)
         return sink_fill
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
+    def propose(self, history: np.ndarray, k: int, source: str = ANY_SOURCE) -> Proposal:
+        """Up to ``k`` draft-model tokens continuing ``history`` (int64 ``[H]``), with p_draft;
+        every proposal runs the model, whatever ``source``."""
         self.last_top_probs = []
         # Never draft past the draft's own context: the verify needs the same room in the target.
         k = min(k, self.cache.capacity - len(history))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import InvalidParameterError
-from .drafting import DraftModel
+from .drafting import ANY_SOURCE, NO_LOOKUP, DraftModel, LookupOffer
 from .verify import Proposal
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ class NGramDrafter:
         elif len(history) > len(self._tokens):
             self._extend(history[len(self._tokens):])
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
+    def propose(self, history: np.ndarray, k: int, source: str = ANY_SOURCE) -> Proposal:
+        """Every proposal is a lookup, whatever ``source``."""
         self._sync(history)
         seq = self._tokens
         start = self._match_start()
@@ -70,7 +71,7 @@ class NGramDrafter:
 
     def _match_start(self) -> int | None:
         """Where the continuation of the longest matching suffix starts, or None. A step asks up to
-        three times (lookup_tokens, pending_tokens, propose) on the same history: computed once."""
+        three times (lookup_offer, pending_tokens, propose) on the same history: computed once."""
         seq = self._tokens
         if self._matched[0] == len(seq):
             return self._matched[1]
@@ -93,11 +94,13 @@ class NGramDrafter:
     def pending_tokens(self, history) -> int:
         return 0
 
-    def lookup_tokens(self, history, limit: int) -> int:
-        """Every proposal is a lookup: the length of the match's continuation, capped at ``limit``."""
+    def lookup_offer(self, history, limit: int) -> LookupOffer:
+        """Every proposal is a lookup: the match's continuation, capped at ``limit`` (its match
+        length is not tracked: 0)."""
         self._sync(history)
         start = self._match_start()
-        return 0 if start is None else min(limit, len(self._tokens) - start)
+        tokens = 0 if start is None else min(limit, len(self._tokens) - start)
+        return LookupOffer(tokens) if tokens > 0 else NO_LOOKUP
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None) -> NGramDrafter:

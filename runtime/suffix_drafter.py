@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..errors import InvalidParameterError
-from .drafting import DraftModel
+from .drafting import ANY_SOURCE, NO_LOOKUP, STRONG_MATCH, DraftModel, LookupOffer
 from .suffix import EMPTY_CHAIN, Appender, Chain, ReplyMemory, SuffixTrie, best_chain
 from .verify import Proposal
 
@@ -41,9 +41,8 @@ DEFAULT_MIN_PROB = 0.1
 # Draft at most length_factor x match length tokens: a long match predicts a long copy, a short
 # one a short one (SuffixDecoding scales its speculation length with the match length too).
 DEFAULT_LENGTH_FACTOR = 1.0
-# Shortest match that may propose: a single repeated token predicts the next one badly (the
-# n-gram drafter measured 0.0-0.2 acceptance on chat and voice replies, below break-even).
-DEFAULT_MIN_MATCH = 2
+# Shortest match that may propose (runtime/drafting.py says why a 1-token match is only a guess).
+DEFAULT_MIN_MATCH = STRONG_MATCH
 # Cross-reply memory, in tokens (about 30 replies of 128 tokens; the oldest are evicted first).
 # Text that never repeats costs about depth nodes per token: 4096 tokens measured 23 MB with
 # ReplyMemory.nbytes() (CPython 3.11), repetitive text less. Voice and agent replies that recur
@@ -88,7 +87,7 @@ class SuffixDrafter:
         self._appender: Appender = self.local.start()
         self.last_source = "none"  # "local", "replies" or "none": where the last proposal came from
         # The last best() answer, keyed by what decides it (context, k, what the local trie holds;
-        # begin() starts a new trie and forgets it): lookup_tokens() and the propose() that follows
+        # begin() starts a new trie and forgets it): lookup_offer() and the propose() that follows
         # it ask the same question.
         self._last: tuple[tuple, tuple[str, Chain]] | None = None
 
@@ -122,7 +121,8 @@ class SuffixDrafter:
         while tokens and len(tokens) < budget:
             more = best_chain(trie, [*context, *tokens][-self.max_match:], budget - len(tokens),
                               min_prob=self.min_prob / running, length_factor=self.length_factor)
-            if not more.tokens or more.match_length < self.min_match:
+            # A chain is only extended by strong matches: a guess is one token, after nothing better.
+            if not more.tokens or more.match_length < max(self.min_match, STRONG_MATCH):
                 break
             tokens.extend(more.tokens)
             probs.extend(more.probs)
@@ -152,8 +152,9 @@ class SuffixDrafter:
         self._last = (key, best)
         return best
 
-    def propose(self, history: np.ndarray, k: int) -> Proposal:
-        """Up to ``k`` tokens (int64 ``[k']``, point masses) continuing ``history`` (int64 ``[H]``)."""
+    def propose(self, history: np.ndarray, k: int, source: str = ANY_SOURCE) -> Proposal:
+        """Up to ``k`` tokens (int64 ``[k']``, point masses) continuing ``history`` (int64 ``[H]``).
+        Every proposal is a lookup, whatever ``source``."""
         if k < 1:
             return Proposal.empty()
         self.last_source, chain = self.best(history, k)
@@ -165,13 +166,15 @@ class SuffixDrafter:
     def pending_tokens(self, history) -> int:
         return 0
 
-    def lookup_tokens(self, history, limit: int) -> int:
-        """Every proposal is a lookup: the best chain's length for ``limit`` tokens. ``history`` is
-        committed, so the local trie first takes in what plain steps committed since the last accept."""
+    def lookup_offer(self, history, limit: int) -> LookupOffer:
+        """Every proposal is a lookup: the best chain for ``limit`` tokens (its length and match).
+        ``history`` is committed, so the local trie first takes in what plain steps committed since
+        the last accept."""
         if limit < 1:
-            return 0
+            return NO_LOOKUP
         self._sync(history)
-        return len(self.best(history, limit)[1].tokens)
+        chain = self.best(history, limit)[1]
+        return LookupOffer(len(chain.tokens), chain.match_length) if chain.tokens else NO_LOOKUP
 
 
 def build(config: "GenerationConfig", draft: DraftModel | None, replies: ReplyMemory | None) -> SuffixDrafter:

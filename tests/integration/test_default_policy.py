@@ -1,19 +1,28 @@
 """The default policy (drafter ``auto`` + controller ``DefaultK``) on exported tiny bundles: same tokens.
 
 Guards: greedy output equals plain decoding at every k and mode, with and without a draft
-model, with and without cross-reply memory (which changes speed, never tokens); sampling
+model, with and without cross-reply memory (which changes speed, never tokens), and when the
+source changes every step (draft model, lookup, guess, plain: each catches up on the others); sampling
 keeps the target's distribution (chi-square); the bundle default is ``auto``, lookup-only on
 a bundle without a draft model. The budget itself: tests/unit/test_default_budget.py.
 """
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
 import pytest
 
 from conftest import PROMPT_IDS
 from distribution import assert_same_distribution, token_counts
+from specedge.runtime import auto_drafter, loop
+from specedge.runtime.controller import PLAIN, ControllerSnapshot, DraftPlan
 from specedge.runtime.drafters import DRAFTERS, AutoDrafter, uses_draft_model
+from specedge.runtime.drafting import LOOKUP_SOURCE, MODEL_SOURCE, DraftModel, LookupOffer
 from specedge.runtime.generator import Generator
+from specedge.runtime.options import GenerationConfig
+from specedge.runtime.sampling import SamplingConfig
 
 N_TOKENS = 40
 
@@ -73,6 +82,57 @@ def test_cross_reply_memory_changes_speed_never_tokens(llama_bundle):
     assert first.token_ids == second.token_ids == off.token_ids == plain
     assert second.stats.accepted > first.stats.accepted  # drafted from the first reply
     assert off.stats.accepted == first.stats.accepted  # without memory: as the first call
+
+
+class CyclingSources:
+    """A controller that changes the default drafter's source every step, in a fixed cycle: the draft
+    model, the lookup (a guess where that is all it has, the model where it has nothing), a plain
+    step. So every source drafts right after every other one."""
+
+    name = "cycling"
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self.served: collections.Counter[str] = collections.Counter()
+
+    def choose(self, limit, *, catchup_tokens=0, expected_remaining=None, lookup_tokens=0, lookup_match=0):
+        self.turn += 1
+        phase = self.turn % 3
+        if phase == 1 and lookup_tokens:
+            plan = DraftPlan(min(lookup_tokens, limit), LOOKUP_SOURCE)
+            self.served["guess" if LookupOffer(lookup_tokens, lookup_match).guess else "lookup"] += 1
+        elif phase != 2 and limit > 0:
+            plan = DraftPlan(min(3, limit), MODEL_SOURCE)
+            self.served["model"] += 1
+        else:
+            plan = PLAIN
+        return plan
+
+    def observe(self, step) -> None:
+        pass
+
+    def snapshot(self) -> ControllerSnapshot:
+        return ControllerSnapshot()
+
+
+def test_switching_sources_every_step_equals_plain_decoding(sampling_pair):
+    """The perturbed draft (corrections happen) and the 16-token vocabulary's lookups and guesses take
+    turns: the draft model catches up on tokens that lookups and plain steps committed, and the
+    output is still plain decoding's."""
+    gen = sampling_pair
+    prompt = [3, 5, 3, 5, 3, 5, 7]
+    plain = gen.generate(input_ids=prompt, max_new_tokens=40, speculation=False).token_ids
+    draft = DraftModel(gen.draft, gen.draft.new_cache(), gen.draft_head_ids, gen.manifest.target.vocab_size)
+    drafter = auto_drafter.build(GenerationConfig(), draft, None)
+    controller = CyclingSources()
+    result = loop.LoopResult()
+    for _ in loop.run(gen.target, gen.target.new_cache(), np.array(prompt, np.int64), max_new_tokens=40,
+                      eos_token_ids=gen.eos_token_ids, sampling=SamplingConfig(), rng=np.random.default_rng(0),
+                      drafter=drafter, controller=controller, result=result):
+        pass
+    assert result.tokens == plain
+    assert min(controller.served[source] for source in ("model", "lookup", "guess")) > 0, controller.served
+    assert 0 < result.stats.accepted < result.stats.drafted  # corrections happened
 
 
 def test_sampled_tokens_keep_the_plain_distribution(sampling_pair):

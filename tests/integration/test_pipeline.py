@@ -17,6 +17,7 @@ from specedge.export.bundle import ExportConfig, export_bundle
 from specedge.runtime import loop
 from specedge.runtime.controller import FixedK
 from specedge.runtime.drafters import ModelDrafter
+from specedge.runtime.drafting import ANY_SOURCE, NO_LOOKUP
 from specedge.runtime.generator import Generator
 from specedge.runtime.sampling import SamplingConfig
 from specedge.runtime.verify import Proposal
@@ -94,7 +95,7 @@ class AlwaysWrong:
     def begin(self, prompt):
         pass
 
-    def propose(self, history, k):
+    def propose(self, history, k, source=ANY_SOURCE):
         pos = len(history) - self.prompt_len
         true_next = self.baseline[pos] if pos < len(self.baseline) else 0
         wrong = [(true_next + 1 + i) % self.vocab for i in range(k)]
@@ -106,8 +107,8 @@ class AlwaysWrong:
     def pending_tokens(self, history):
         return 0
 
-    def lookup_tokens(self, history, limit):
-        return 0
+    def lookup_offer(self, history, limit):
+        return NO_LOOKUP
 
 
 @pytest.mark.parametrize("mode", ["sequential", "pipelined"])

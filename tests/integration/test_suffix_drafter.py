@@ -2,7 +2,8 @@
 
 Guards:
 - proposals: the longest earlier-seen suffix's most frequent continuation, point masses,
-  at most k tokens, nothing below the minimum match, the local trie only ever holding
+  at most k tokens, nothing below the minimum match (a 1-token match offered as a guess only
+  where allowed), the default drafter drafting from the source it is given, the local trie only ever holding
   committed history, and the longer match (then the higher expected_accepted) of local vs reply memory winning;
 - greedy output equals plain decoding for k in {1, 2, 4, 8}, adaptive k and pipelined mode;
 - cross-reply memory: a repeated prompt is drafted from the earlier reply (more accepted)
@@ -20,7 +21,9 @@ import pytest
 from conftest import PROMPT_IDS
 from distribution import assert_same_distribution, token_counts
 from specedge.errors import InvalidParameterError
-from specedge.runtime.drafters import DRAFTER_CHOICES, DRAFTERS, SuffixDrafter
+from specedge.runtime.drafters import DRAFTER_CHOICES, DRAFTERS, AutoDrafter, SuffixDrafter
+from specedge.runtime.drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, NO_LOOKUP, LookupOffer
+from specedge.runtime.verify import Proposal
 from specedge.runtime.generator import Generator
 from specedge.runtime.suffix import ReplyMemory, SuffixTrie
 from specedge.runtime.suffix_drafter import REPLY_CUE_TOKENS
@@ -64,6 +67,53 @@ def test_a_one_token_match_and_the_suffix_itself_propose_nothing():
     history = arr(1, 2, 3, 9, 4, 3)  # "3" repeats alone (below min_match); "4 3" never did
     d.begin(history)
     assert len(d.propose(history, 4).tokens) == 0 and d.last_source == "none"
+
+
+def test_a_one_token_match_is_offered_as_a_guess_only_where_allowed():
+    history = arr(1, 2, 3, 9, 4, 3)  # "3" was followed by 9 once: a 1-token match
+    strict, guessing = SuffixDrafter(), SuffixDrafter(min_match=1)
+    strict.begin(history)
+    guessing.begin(history)
+    assert strict.lookup_offer(history, 4) == NO_LOOKUP
+    offer = guessing.lookup_offer(history, 4)
+    assert offer == LookupOffer(1, 1) and offer.guess
+    assert guessing.propose(history, 4).tokens.tolist() == [9]  # one token: a guess is never extended
+    long = arr(5, 6, 7, 8, 5, 6)
+    guessing.begin(long)
+    assert guessing.lookup_offer(long, 4) == LookupOffer(2, 2) and not guessing.lookup_offer(long, 4).guess
+
+
+class FakeModel:
+    """A draft model that always proposes 42s (the AutoDrafter's model side)."""
+
+    catchup_s, catchup_tokens = 0.0, 0
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, history, k, source=ANY_SOURCE):
+        return Proposal(np.full(k, 42, np.int64))
+
+    def accept(self, history, n_accepted):
+        pass
+
+    def pending_tokens(self, history):
+        return 1
+
+
+def test_the_default_drafter_drafts_from_the_source_it_is_given():
+    auto = AutoDrafter(SuffixDrafter(min_match=1), FakeModel())
+    strong = arr(5, 6, 7, 8, 5, 6)  # "5 6" -> 7 8: a strong lookup
+    auto.begin(strong)
+    assert auto.propose(strong, 2).tokens.tolist() == [7, 8] and auto.last_source == "lookup"  # its own order
+    assert auto.propose(strong, 2, MODEL_SOURCE).tokens.tolist() == [42, 42] and auto.last_source == "model"
+    guess = arr(1, 2, 3, 9, 4, 3)  # only a guess (9)
+    auto.begin(guess)
+    assert auto.propose(guess, 2).tokens.tolist() == [42, 42]  # its own order: a guess never beats the model
+    assert auto.propose(guess, 2, LOOKUP_SOURCE).tokens.tolist() == [9] and auto.last_source == "lookup"
+    alone = AutoDrafter(SuffixDrafter(min_match=1), None)
+    alone.begin(guess)
+    assert alone.propose(guess, 2).tokens.tolist() == [9]  # no model: the guess is all there is
 
 
 def test_local_trie_holds_only_committed_history():

@@ -24,7 +24,7 @@ def fake_step(controller: AdaptiveK, acceptance: float, *, step_s: float = 0.010
               draft_token_s: float = 0.002, limit: int = 8) -> int:
     """One loop step with a drafter whose tokens are accepted while a deterministic
     counter says so: the first round(acceptance * k) tokens of each block are accepted."""
-    k = controller.choose(limit)
+    k = controller.choose(limit).k
     accepted = min(k, int(round(acceptance * k)))
     verify_s = step_s * (1 + verify_slope * k)
     observe(controller, k, k, accepted, draft_token_s * k, verify_s)
@@ -44,9 +44,9 @@ def run_steps(controller: AdaptiveK, acceptance: float, n: int, **kw) -> list[in
 
 def test_first_step_is_plain_then_speculation_is_tried():
     c = AdaptiveK(8)
-    assert c.choose(8) == 0  # nothing measured yet
+    assert c.choose(8).k == 0  # nothing measured yet
     observe(c, 0, 0, 0, 0.0, 0.010)
-    assert c.choose(8) > 0  # optimistic prior: speculation gets tried
+    assert c.choose(8).k > 0  # optimistic prior: speculation gets tried
 
 
 def test_k_grows_when_everything_is_accepted():
@@ -84,15 +84,15 @@ def test_choice_matches_the_expected_rate_formula():
     assert rates[2] == pytest.approx((1 + 0.9 + 0.81) / (0.002 + 0.012))
     assert c.costs.target_cost(4) == pytest.approx(0.016)
     observe(c, 0, 0, 0, 0.0, 0.010)
-    assert c.choose(4) == max(rates, key=rates.get)
+    assert c.choose(4).k == max(rates, key=rates.get)
 
 
 def test_limit_caps_k_and_fixed_k():
     c = AdaptiveK(8)
     observe(c, 0, 0, 0, 0.0, 0.010)
-    assert c.choose(2) <= 2
-    assert FixedK(4).choose(8) == 4
-    assert FixedK(4).choose(3) == 3
+    assert c.choose(2).k <= 2
+    assert FixedK(4).choose(8).k == 4
+    assert FixedK(4).choose(3).k == 3
 
 
 @pytest.mark.parametrize("kwargs, match", [({"max_k": -1}, "max_draft_tokens"), ({"max_k": 4, "beta": 0},
@@ -126,13 +126,13 @@ def test_a_catchup_that_the_rest_of_the_reply_cannot_repay_keeps_steps_plain():
     saving = 1 / c.rate(0) - 1 / c.effective_rate(best)  # seconds saved per token (after the margin)
     one_off = 100 * 0.001
     short, long = 0.5 * one_off / saving, 2 * one_off / saving
-    assert c.choose(8, catchup_tokens=100, expected_remaining=short) == 0
+    assert c.choose(8, catchup_tokens=100, expected_remaining=short).k == 0
     assert c.catchup_deferred == 1
-    assert c.choose(8, catchup_tokens=100, expected_remaining=long) == best
+    assert c.choose(8, catchup_tokens=100, expected_remaining=long).k == best
     # The usual feed (the target's token + the last draft token) is no catch-up at all.
-    assert c.choose(8, catchup_tokens=2, expected_remaining=0.1) == best
+    assert c.choose(8, catchup_tokens=2, expected_remaining=0.1).k == best
     # Unknown horizon: the catch-up is not weighed (the old behaviour).
-    assert c.choose(8, catchup_tokens=100, expected_remaining=None) == best
+    assert c.choose(8, catchup_tokens=100, expected_remaining=None).k == best
 
 
 def test_catchup_cost_is_learned_from_observed_catchups():
@@ -157,7 +157,7 @@ def test_probes_that_need_a_catchup_wait_until_it_is_a_small_share_of_plain_time
     one_off = c.costs.catchup_cost(40)  # 40 ms
     ks = []
     for _ in range(200):
-        k = c.choose(8, catchup_tokens=40, expected_remaining=1000)
+        k = c.choose(8, catchup_tokens=40, expected_remaining=1000).k
         ks.append(k)
         observe(c, k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
     probes = [i for i, k in enumerate(ks) if k > 0]
@@ -171,7 +171,7 @@ def test_probes_that_need_a_catchup_wait_until_it_is_a_small_share_of_plain_time
     c2.probe_every = 4
     ks2 = []
     for _ in range(40):
-        k = c2.choose(8, catchup_tokens=1, expected_remaining=1000)
+        k = c2.choose(8, catchup_tokens=1, expected_remaining=1000).k
         ks2.append(k)
         observe(c2, k, k, 0, 0.002 * k, 0.010 * (1 + 0.1 * k))
     assert sum(k > 0 for k in ks2) >= 7
@@ -201,9 +201,9 @@ def test_acceptance_carried_from_the_previous_reply_decides_the_first_catchup():
     profile = CostModel({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}, draft_token_s=0.002,
                           draft_catchup_token_s=0.001)
     fresh = AdaptiveK(8, costs=profile)
-    assert fresh.choose(8, catchup_tokens=64, expected_remaining=200) > 0  # the 0.6 prior pays for it
+    assert fresh.choose(8, catchup_tokens=64, expected_remaining=200).k > 0  # the 0.6 prior pays for it
     poor = AdaptiveK(8, costs=profile, acceptance=[0.15] * 8, observed=8)
-    assert poor.choose(8, catchup_tokens=64, expected_remaining=200) == 0
+    assert poor.choose(8, catchup_tokens=64, expected_remaining=200).k == 0
     odd = AdaptiveK(4, acceptance=[1.5, -0.2, 0.5, 0.5, 0.5, 0.5], observed=9)
     assert odd.alpha == [1.0, 0.0, 0.5, 0.5] and odd.observed == 4  # clamped, cut to max_k
 
@@ -228,9 +228,9 @@ def test_a_marginal_predicted_gain_stays_plain():
     c.observed = 1
     c.alpha = [0.1]  # E(1) = 1.1 tokens for 1.05 steps: rate(1) = 1.048 x rate(0)
     assert 1.0 < c.rate(1) / c.rate(0) < AdaptiveK.SPECULATION_MARGIN
-    assert c.choose(1) == 0
+    assert c.choose(1).k == 0
     c.alpha = [0.3]  # 1.3 / 1.05 = 1.24 x: clear of the margin
-    assert c.choose(1) == 1
+    assert c.choose(1).k == 1
 
 
 def test_the_latency_cap_reads_the_one_cost_model():

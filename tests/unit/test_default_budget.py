@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from specedge.runtime import loop
-from specedge.runtime.controller import DefaultK
+from specedge.runtime.controller import PLAIN, DefaultK, DraftPlan
 from specedge.runtime.costs import CostModel
+from specedge.runtime.drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, NO_LOOKUP, LookupOffer
 from specedge.runtime.sampling import SamplingConfig
 from specedge.runtime.verify import Proposal
 
@@ -87,10 +88,10 @@ class FakeModelDrafter:
     def pending_tokens(self, history) -> int:
         return min(max(len(history) - self.read, 1), WINDOW)
 
-    def lookup_tokens(self, history, limit: int) -> int:
-        return 0
+    def lookup_offer(self, history, limit: int) -> LookupOffer:
+        return NO_LOOKUP
 
-    def propose(self, history, k: int) -> Proposal:
+    def propose(self, history, k: int, source: str = ANY_SOURCE) -> Proposal:
         feed = self.pending_tokens(history)
         self.catchup_tokens = feed if feed > 2 else 0
         self.catchup_s = feed * CATCHUP_TOKEN_S if feed > 2 else 0.0
@@ -179,19 +180,19 @@ def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
     costs = measured_costs()
     controller = DefaultK(8, costs=costs, has_model=True)
     # A 1-token lookup costs nothing on an exact 2-row step: no budget is needed to try it.
-    assert controller.choose(8, catchup_tokens=64, lookup_tokens=1) == 1
-    assert controller.choose(8, catchup_tokens=64, lookup_tokens=0) == 0  # the model: budget 0, no probe
-    rich = DefaultK(8, costs=costs, has_model=True, budget_s=1.0, lookup_acceptance=[[0.95] * 8] * 3,
-                    lookup_observed=[8] * 3)
-    assert rich.choose(8, lookup_tokens=5) == 5  # never past what the lookup has
-    assert rich.choose(3, lookup_tokens=5) == 3  # nor past the limit
+    assert controller.choose(8, catchup_tokens=64, lookup_tokens=1).k == 1
+    assert controller.choose(8, catchup_tokens=64, lookup_tokens=0).k == 0  # the model: budget 0, no probe
+    rich = DefaultK(8, costs=costs, has_model=True, budget_s=1.0, lookup_acceptance=[[0.95] * 8] * 4,
+                    lookup_observed=[8] * 4)
+    assert rich.choose(8, lookup_tokens=5).k == 5  # never past what the lookup has
+    assert rich.choose(3, lookup_tokens=5).k == 3  # nor past the limit
 
 
 def test_a_lookup_that_is_never_accepted_is_cut_to_what_costs_nothing():
     costs = measured_costs()
-    controller = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[0.0] * 8] * 3,
-                          lookup_observed=[8] * 3)
-    assert controller.choose(8, lookup_tokens=6) <= 1  # longer verifies cost rows it never repays
+    controller = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[0.0] * 8] * 4,
+                          lookup_observed=[8] * 4)
+    assert controller.choose(8, lookup_tokens=6).k <= 1  # longer verifies cost rows it never repays
 
 
 def test_lookup_acceptance_is_learned_per_offer_length():
@@ -201,17 +202,17 @@ def test_lookup_acceptance_is_learned_per_offer_length():
     controller = DefaultK(8, costs=costs, has_model=False)
     for _ in range(30):
         for offered, accepted in ((8, 8), (2, 0)):
-            k = controller.choose(8, lookup_tokens=offered)
+            k = controller.choose(8, lookup_tokens=offered).k
             controller.observe(loop.StepOutcome(k, k, min(k, accepted), 0.0, verify_s(k + 1), lookup=True,
                                                 offered=offered))
-    assert controller.choose(8, lookup_tokens=8) == 8
-    assert controller.choose(8, lookup_tokens=2) <= 1
+    assert controller.choose(8, lookup_tokens=8).k == 8
+    assert controller.choose(8, lookup_tokens=2).k <= 1
     snap = controller.snapshot()
     assert len(snap.lookup_acceptance) == len(DefaultK.LOOKUP_CONFIDENCE)
     # Carried into the next reply's controller, the classes keep what they learned.
     carried = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=snap.lookup_acceptance,
                        lookup_observed=snap.lookup_observed)
-    assert carried.choose(8, lookup_tokens=8) == 8 and carried.choose(8, lookup_tokens=2) <= 1
+    assert carried.choose(8, lookup_tokens=8).k == 8 and carried.choose(8, lookup_tokens=2).k <= 1
 
 
 def test_loss_if_rejected_is_the_cost_models():
@@ -235,24 +236,68 @@ def test_an_unobserved_offer_class_starts_from_a_shorter_class_that_was_accepted
     controller = DefaultK(8, costs=costs, has_model=False)
     prior = controller.lookup_side(8).expected_tokens(8)
     for _ in range(12):
-        k = controller.choose(8, lookup_tokens=2)
+        k = controller.choose(8, lookup_tokens=2).k
         controller.observe(loop.StepOutcome(k, k, k, 0.0, verify_s(k + 1), lookup=True, offered=2))
     assert controller.lookup_side(8).expected_tokens(8) > prior
     assert controller.lookup_side(8).observed == controller.lookup_side(2).observed
     # A class that learned its own estimate keeps it.
-    learned = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[1.0] * 8, [0.0] * 8, [0.0] * 8],
-                       lookup_observed=[8, 8, 8])
-    assert learned.choose(8, lookup_tokens=8) <= 1
+    learned = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[1.0] * 8, [1.0] * 8, [0.0] * 8, [0.0] * 8],
+                       lookup_observed=[8, 8, 8, 8])
+    assert learned.choose(8, lookup_tokens=8).k <= 1
     # A shorter class that did worse than the longer class's prior leaves it at its prior.
-    worse = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[0.3] * 8], lookup_observed=[8])
+    worse = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[], [0.3] * 8], lookup_observed=[0, 8])
     assert worse.lookup_side(8).observed == 0 and worse.lookup_side(8).alpha[0] == DefaultK.LOOKUP_PRIORS[-1]
     # Nothing flows down: a long class that is always right leaves the short class at its prior.
-    down = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[], [], [1.0] * 8],
-                    lookup_observed=[0, 0, 8])
-    assert down.lookup_side(2).observed == 0 and down.lookup_side(2).alpha[0] == DefaultK.LOOKUP_PRIORS[0]
+    down = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[], [], [], [1.0] * 8],
+                    lookup_observed=[0, 0, 0, 8])
+    assert down.lookup_side(2).observed == 0 and down.lookup_side(2).alpha[0] == DefaultK.LOOKUP_PRIORS[1]
 
 
 def test_longer_offers_start_from_higher_priors():
     """Before any outcome, a full offer is trusted more than a 1-2 token one (LOOKUP_PRIORS)."""
     controller = DefaultK(8, costs=measured_costs(), has_model=False)
-    assert controller.choose(8, lookup_tokens=8) > controller.choose(8, lookup_tokens=2)
+    assert controller.choose(8, lookup_tokens=8).k > controller.choose(8, lookup_tokens=2).k
+
+
+def test_a_guess_is_learned_apart_from_strong_lookups():
+    """Guesses (1-token matches) that are never right are cut to plain steps, while 2-token offers
+    after strong matches, always right, keep being drafted: the classes do not share an estimate."""
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=False)
+    assert controller.choose(8, lookup_tokens=1, lookup_match=1) == DraftPlan(1, LOOKUP_SOURCE)  # its prior pays
+    for _ in range(30):
+        for offered, match, accepted in ((1, 1, 0), (2, 2, 2)):
+            plan = controller.choose(8, lookup_tokens=offered, lookup_match=match)
+            controller.observe(loop.StepOutcome(plan.k, plan.k, min(plan.k, accepted), 0.0, verify_s(plan.k + 1),
+                                                lookup=plan.k > 0, offered=offered if plan.k else 0, match=match))
+    assert controller.choose(8, lookup_tokens=1, lookup_match=1) == PLAIN
+    assert controller.choose(8, lookup_tokens=2, lookup_match=2) == DraftPlan(2, LOOKUP_SOURCE)
+    assert controller.lookup_side(1, 1) is not controller.lookup_side(1, 2)
+    assert controller.lookup_side(1, 0) is controller.lookup_side(1, 2)  # match not known: a strong lookup
+
+
+def test_the_model_is_chosen_over_a_lookup_only_when_it_promises_more():
+    """A draft model right 19 times in 20 beats a guess that is right 1 time in 10, but not a full
+    lookup that is always right (its draft is free); a catch-up it would pay first counts against it."""
+    costs = measured_costs()
+    learned = dict(model_acceptance=[0.95] * 8, model_observed=8, budget_s=1.0,
+                   lookup_acceptance=[[0.1] * 8, [0.6] * 8, [0.8] * 8, [1.0] * 8], lookup_observed=[8] * 4)
+    controller = DefaultK(8, costs=costs, has_model=True, **learned)
+    plan = controller.choose(8, catchup_tokens=2, lookup_tokens=1, lookup_match=1)
+    assert plan.source == MODEL_SOURCE and plan.k > 1
+    assert controller.choose(8, catchup_tokens=2, lookup_tokens=8, lookup_match=12) == DraftPlan(8, LOOKUP_SOURCE)
+    # The same model behind a 64-token catch-up: this step's catch-up is charged to it.
+    assert not controller.model_beats(controller.lookup_side(2, 2).effective_rate(1), 8, 64)
+    assert controller.model_beats(controller.lookup_side(2, 2).effective_rate(1), 8, 2)
+    # Without a draft model, a guess runs where it beats a plain step by the speculation margin: on
+    # this fake machine's free second row, right 1 time in 10 it does not (1.1 < 1.1), 1 in 2 it does.
+    for right, plan in ((0.1, PLAIN), (0.5, DraftPlan(1, LOOKUP_SOURCE))):
+        alone = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[right] * 8], lookup_observed=[8])
+        assert alone.choose(8, lookup_tokens=1, lookup_match=1) == plan
+
+
+def test_a_draft_plan_is_checked():
+    with pytest.raises(ValueError, match="source"):
+        DraftPlan(1, "elsewhere")
+    with pytest.raises(ValueError, match="k >= 0"):
+        DraftPlan(-1)
