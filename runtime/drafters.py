@@ -35,9 +35,9 @@ DEFAULT_DRAFTER = "auto"  # what a bundle runs unless its manifest or the call n
 
 DRAFTERS: dict[str, DrafterSpec] = {
     "auto": _entry("auto_drafter", needs_draft_model=False, reads_replies=True, optional_draft_model=True,
-                   help="the default: suffix lookup (with earlier replies) whenever it has a proposal, the "
-                        "draft model (if the bundle has one) only where the cost model predicts a gain, "
-                        "else plain steps"),
+                   help="the default: per step, the suffix lookup (with earlier replies; 1-token guesses on free "
+                        "rows), the draft model (if the bundle has one) or a plain step, whichever the cost "
+                        "model expects to be fastest"),
     "model": _entry("model_drafter", needs_draft_model=True,
                     help="the bundle's draft model proposes (best on free-form text)"),
     "ngram": _entry("ngram_drafter", needs_draft_model=False,

@@ -213,7 +213,7 @@ class Generator:
             adaptive = False  # an explicit k means "this k"
         has_model = uses_draft_model(name, self.draft is not None)
         if adaptive and DRAFTERS[name].optional_draft_model:
-            # The default policy: lookups whenever they exist, the model where it pays, on a budget.
+            # The default policy: per step the source expected fastest (lookup, model, plain), on a budget.
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             learned = self.memory.learned_for(name)
             controller = DefaultK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
