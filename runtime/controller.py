@@ -108,7 +108,13 @@ class AdaptiveK:
     reached it (all earlier tokens accepted). The step costs are the CostModel's
     (``costs``), which the loop feeds; this class only reads them.
 
-    Positions never reached yet borrow the acceptance of the deepest observed one.
+    Positions never reached yet borrow the acceptance of the deepest observed one. A position
+    that was reached once but lies past the k now chosen is no longer observed, so one early
+    rejection there would pin k below it for good; instead, every step that accepts all it drafted
+    moves the estimates past it towards the last position's (the same smoothness in depth, at
+    the same EMA weight: a stale estimate is forgotten as fast as a fresh one is learned), so k
+    grows again where shorter drafts keep being accepted, and falls again at the next rejection. (Traced on the bench's agent replies: 12-token copies from an earlier reply, each
+    accepted, drafted one token a step after a single early miss at position 2.)
 
     Probing: while k = 0 wins, no acceptance is observed, so every ``probe_every``
     plain steps it drafts once at the last positive k to refresh the estimates.
@@ -241,6 +247,10 @@ class AdaptiveK:
                 outcome = 1.0 if i < step.accepted else 0.0
                 self.alpha[i] = ema(self.alpha[i], outcome, b)
             self.observed = max(self.observed, reached)
+            if step.accepted == step.drafted:
+                # All accepted: the positions past the draft drift towards the last one reached.
+                for i in range(reached, self.observed):
+                    self.alpha[i] = ema(self.alpha[i], self.alpha[reached - 1], b)
         self.mode_s["speculative" if step.drafted else "plain"] += step.draft_s + step.verify_s
 
     def snapshot(self) -> ControllerSnapshot:

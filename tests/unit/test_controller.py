@@ -246,3 +246,22 @@ def test_the_latency_cap_reads_the_one_cost_model():
     observe(controller, 2, 2, 2, 0.040, 0.050)  # the loop feeds one model; the cap sees it at once
     assert costs.draft_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.020)
     assert costs.latency_limit(0.017, 8) < 2
+
+
+def test_a_position_rejected_once_is_tried_again_after_shorter_drafts_keep_being_accepted():
+    """One early rejection at position 2 must not pin k at 1 while every 1-token draft is accepted:
+    the next position's estimate drifts back towards the last one's, k grows, and a new rejection
+    there brings it down again."""
+    costs = CostModel({1: 1.0, 2: 1.04, 3: 1.24, 4: 1.47, 5: 1.76}, 0.0, 0.0)  # a free draft (a lookup)
+    c = AdaptiveK(4, costs=costs, acceptance=[1.0, 0.0, 0.0, 0.0], observed=4)
+    assert c.choose(4).k == 1
+    ks = []
+    for _ in range(30):
+        k = c.choose(4).k
+        ks.append(k)
+        c.observe(StepOutcome(k, k, k, 0.0, costs.target_cost(k + 1), lookup=True))  # all accepted
+    assert ks[:3] == [1, 1, 1] and ks[-1] == 4 and ks == sorted(ks), ks
+    for _ in range(3):
+        c.observe(StepOutcome(4, 4, 1, 0.0, costs.target_cost(5), lookup=True))  # rejected at position 2
+    assert c.choose(4).k < 4
+    assert 0.0 < c.alpha[1] < 1.0
