@@ -19,6 +19,8 @@ DEFINITIONS = """\
 - **acc**: accepted / drafted draft tokens. **a**: the i.i.d. per-token acceptance fitted to the
   per-position counts (sum_i drafted[i] a^(i+1) = accepted). **acc/pos**: fraction of steps that drafted
   position i whose tokens up to i were all accepted. **mal**: mean accepted length, tokens per target step.
+- **steps l/g/m/p**: the default policy's steps by source, in % of its steps: a lookup, a guess (one
+  token after a 1-token match), the draft model, plain (empty for other configurations).
 - **split**: draft / verify / overhead share of the decode time (after the first token).
 - **ITL tok**: per-token gaps a streaming client sees, t_i - t_(i-1); tokens of one block arrive together
   (gap 0). **ITL blk**: gaps between consecutive blocks (distinct arrival times). p50/p95 in ms.
@@ -114,6 +116,14 @@ def _k_hist(k_chosen: dict) -> str:
     return " ".join(f"{k}:{round(100 * n / total)}%" for k, n in items[:3])
 
 
+def _sources(sources: dict) -> str:
+    """The default policy's steps by source, as shares: lookup/guess/model/plain (empty for others)."""
+    total = sum(sources.values())
+    if not total:
+        return ""
+    return "/".join(_f(100 * sources.get(key, 0) / total, 0) for key in ("lookup", "guess", "model", "plain"))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -188,8 +198,8 @@ def render_markdown(doc: dict) -> str:
                 + f"; {summary.get('one_row_divergences', 0)} of its runs differ from the exact baseline.", ""]
 
     # Per workload
-    header = ["config", "tok/s (IQR)", "speedup", "acc", "a", "mal", "acc/pos", "k chosen", "split d/v/o %",
-              "TTFT ms", "ITL tok p50/p95", "ITL blk p50/p95", "RSS MB", "pred", "eff"]
+    header = ["config", "tok/s (IQR)", "speedup", "acc", "a", "mal", "acc/pos", "k chosen", "steps l/g/m/p %",
+              "split d/v/o %", "TTFT ms", "ITL tok p50/p95", "ITL blk p50/p95", "RSS MB", "pred", "eff"]
     for category, entry in doc["workloads"].items():
         out += [f"## {category} ({len(entry['prompts'])} prompt{'s' if len(entry['prompts']) != 1 else ''}: "
                 + ", ".join(p["id"] for p in entry["prompts"]) + ")", ""]
@@ -208,6 +218,7 @@ def render_markdown(doc: dict) -> str:
                 _f(c["mean_accepted_length"], 2) if spec else "",
                 " ".join(_f(x, 2) for x in c["acceptance_per_position"]) if spec else "",
                 _k_hist(c["k_chosen"]) if spec else "",
+                _sources(c.get("sources") or {}),
                 f"{_f(100 * split['draft'], 0)}/{_f(100 * split['verify'], 0)}/{_f(100 * split['overhead'], 0)}",
                 _f(c["ttft_ms"], 0),
                 f"{_f(c['itl_token_ms']['p50'])}/{_f(c['itl_token_ms']['p95'])}",

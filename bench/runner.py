@@ -103,6 +103,10 @@ class RunRecord:
     near_ties: int
     mode_s: dict[str, float]
     rss_peak_mb: float
+    # The default policy's steps by source (GenerationStats; 0 for other configurations).
+    lookup_steps: int = 0  # guesses included
+    guess_steps: int = 0
+    model_steps: int = 0
 
     def summary(self) -> dict:
         """What the JSON keeps per run (no token ids or times)."""
@@ -298,6 +302,11 @@ def aggregate(runs: list[RunRecord], baseline: dict[tuple[str, int], RunRecord])
                          "p95": metrics.percentile(block_gaps, 95) * ms if block_gaps else math.nan},
         "near_ties": sum(r.near_ties for r in runs),
         "mode_s": mode_s,
+        # The default policy's steps by source: strong lookups, guesses, draft model, plain.
+        "sources": ({"lookup": sum(r.lookup_steps - r.guess_steps for r in runs),
+                     "guess": sum(r.guess_steps for r in runs), "model": sum(r.model_steps for r in runs),
+                     "plain": steps - sum(r.lookup_steps + r.model_steps for r in runs)}
+                    if any(r.lookup_steps or r.model_steps for r in runs) else {}),
         "rss_peak_mb": max((r.rss_peak_mb for r in runs), default=math.nan),
     }
 
@@ -339,7 +348,8 @@ def _record(result, workload: Workload, config: str, round_: int, rss: float) ->
                      verify_s=s.verify_s, overhead_s=s.overhead_s, total_s=s.total_s, steps=s.steps,
                      drafted=s.drafted, accepted=s.accepted, drafted_per_position=list(s.drafted_per_position),
                      accepted_per_position=list(s.accepted_per_position), k_chosen=dict(s.k_chosen),
-                     near_ties=s.near_ties, mode_s=dict(s.mode_s), rss_peak_mb=rss)
+                     near_ties=s.near_ties, mode_s=dict(s.mode_s), rss_peak_mb=rss,
+                     lookup_steps=s.lookup_steps, guess_steps=s.guess_steps, model_steps=s.model_steps)
 
 
 def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:

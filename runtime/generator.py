@@ -401,6 +401,7 @@ class Generator:
                 result.stats.explore_plain_s = learned.plain_s
                 result.stats.lookup_steps = learned.lookup_steps
                 result.stats.guess_steps = learned.guess_steps
+                result.stats.model_steps = learned.model_steps
         self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
         if drafter is not None and reads_replies(drafter.name) and config.reply_memory:
             self.memory.remember_reply(state.tokens, ids)  # a cancelled reply's committed tokens are text too

@@ -39,6 +39,7 @@ class GenerationStats:
     explore_overhead_s: float = 0.0
     lookup_steps: int = 0  # steps the default policy served with a lookup (the rest: model or plain)
     guess_steps: int = 0  # ... of which a guess: one token after a 1-token match, on a row that was free
+    model_steps: int = 0  # steps the default policy served with the draft model
 
     @property
     def acceptance(self) -> float:

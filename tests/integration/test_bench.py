@@ -584,3 +584,20 @@ def test_draft_window_suffix_names_a_window():
     assert parse_config_name("model-k2").generation_config(16).draft_window == DEFAULT_DRAFT_WINDOW
     with pytest.raises(InvalidParameterError, match=r"'model-k2-w3': the draft window \(-w0 = the whole history\) must be an integer in \(4, "):
         parse_config_name("model-k2-w3")
+
+
+def test_the_default_policys_steps_by_source_are_aggregated_and_shown():
+    """``sources`` sums the default policy's lookup / guess / model / plain steps over a cell's runs
+    (guesses are lookups too: counted once, as guesses); other configurations get none."""
+    from specedge.bench.report import _sources
+    from specedge.bench.runner import aggregate
+
+    base = RunRecord(**{**_REC, "config": "baseline", "tokens": [1, 2, 3]})
+    runs = [RunRecord(**{**_REC, "config": "auto-adaptive", "tokens": [1, 2, 3], "steps": 10, "lookup_steps": 4,
+                         "guess_steps": 1, "model_steps": 2}),
+            RunRecord(**{**_REC, "config": "auto-adaptive", "tokens": [1, 2, 3], "steps": 10, "lookup_steps": 2,
+                         "guess_steps": 2, "model_steps": 0})]
+    cell = aggregate(runs, {("w", 0): base})
+    assert cell["sources"] == {"lookup": 3, "guess": 3, "model": 2, "plain": 12}
+    assert _sources(cell["sources"]) == "15/15/10/60"
+    assert aggregate([base], {("w", 0): base})["sources"] == {} and _sources({}) == ""
