@@ -21,6 +21,9 @@ DEFINITIONS = """\
   position i whose tokens up to i were all accepted. **mal**: mean accepted length, tokens per target step.
 - **steps l/g/m/p**: the default policy's steps by source, in % of its steps: a lookup, a guess (one
   token after a 1-token match), the draft model, plain (empty for other configurations).
+- **ms/tok l/m/p**: what a committed token cost, by the source of its step (any configuration): the
+  steps' time (draft, its catch-up, verify) over the tokens they committed, in ms; "-" where no step
+  had that source. Compare them with each other in one row: a source above the plain cost lost time.
 - **split**: draft / verify / overhead share of the decode time (after the first token).
 - **ITL tok**: per-token gaps a streaming client sees, t_i - t_(i-1); tokens of one block arrive together
   (gap 0). **ITL blk**: gaps between consecutive blocks (distinct arrival times). p50/p95 in ms.
@@ -124,6 +127,13 @@ def _sources(sources: dict) -> str:
     return "/".join(_f(100 * sources.get(key, 0) / total, 0) for key in ("lookup", "guess", "model", "plain"))
 
 
+def _by_source_ms(ms_per_token: dict) -> str:
+    """What a token cost per step source, lookup/model/plain in ms ("-": no such steps)."""
+    if not ms_per_token:
+        return ""
+    return "/".join(_f(ms_per_token[key], 0) if key in ms_per_token else "-" for key in ("lookup", "model", "plain"))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -199,7 +209,7 @@ def render_markdown(doc: dict) -> str:
 
     # Per workload
     header = ["config", "tok/s (IQR)", "speedup", "acc", "a", "mal", "acc/pos", "k chosen", "steps l/g/m/p %",
-              "split d/v/o %", "TTFT ms", "ITL tok p50/p95", "ITL blk p50/p95", "RSS MB", "pred", "eff"]
+              "ms/tok l/m/p", "split d/v/o %", "TTFT ms", "ITL tok p50/p95", "ITL blk p50/p95", "RSS MB", "pred", "eff"]
     for category, entry in doc["workloads"].items():
         out += [f"## {category} ({len(entry['prompts'])} prompt{'s' if len(entry['prompts']) != 1 else ''}: "
                 + ", ".join(p["id"] for p in entry["prompts"]) + ")", ""]
@@ -219,6 +229,7 @@ def render_markdown(doc: dict) -> str:
                 " ".join(_f(x, 2) for x in c["acceptance_per_position"]) if spec else "",
                 _k_hist(c["k_chosen"]) if spec else "",
                 _sources(c.get("sources") or {}),
+                _by_source_ms(c.get("ms_per_token") or {}),
                 f"{_f(100 * split['draft'], 0)}/{_f(100 * split['verify'], 0)}/{_f(100 * split['overhead'], 0)}",
                 _f(c["ttft_ms"], 0),
                 f"{_f(c['itl_token_ms']['p50'])}/{_f(c['itl_token_ms']['p95'])}",

@@ -107,6 +107,9 @@ class RunRecord:
     lookup_steps: int = 0  # guesses included
     guess_steps: int = 0
     model_steps: int = 0
+    # Seconds and committed tokens by step source, any configuration (GenerationStats.source_*).
+    source_s: dict[str, float] = field(default_factory=dict)
+    source_tokens: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict:
         """What the JSON keeps per run (no token ids or times)."""
@@ -307,6 +310,8 @@ def aggregate(runs: list[RunRecord], baseline: dict[tuple[str, int], RunRecord])
                      "guess": sum(r.guess_steps for r in runs), "model": sum(r.model_steps for r in runs),
                      "plain": steps - sum(r.lookup_steps + r.model_steps for r in runs)}
                     if any(r.lookup_steps or r.model_steps for r in runs) else {}),
+        # What a token cost by step source ("lookup", "model", "plain"), catch-ups included, in ms.
+        "ms_per_token": _ms_per_token(runs),
         "rss_peak_mb": max((r.rss_peak_mb for r in runs), default=math.nan),
     }
 
@@ -339,6 +344,16 @@ def bound(cell: dict, config: BenchConfig, costs: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the run
+def _ms_per_token(runs: list[RunRecord]) -> dict[str, float]:
+    """Per step source, the cell's seconds over its committed tokens, in ms (sources without tokens left out)."""
+    out = {}
+    for source in ("lookup", "model", "plain"):
+        tokens = sum(r.source_tokens.get(source, 0) for r in runs)
+        if tokens:
+            out[source] = 1e3 * sum(r.source_s.get(source, 0.0) for r in runs) / tokens
+    return out
+
+
 def _record(result, workload: Workload, config: str, round_: int, rss: float) -> RunRecord:
     s = result.stats
     return RunRecord(workload=workload.id, category=workload.category, config=config, round=round_,
@@ -349,7 +364,8 @@ def _record(result, workload: Workload, config: str, round_: int, rss: float) ->
                      drafted=s.drafted, accepted=s.accepted, drafted_per_position=list(s.drafted_per_position),
                      accepted_per_position=list(s.accepted_per_position), k_chosen=dict(s.k_chosen),
                      near_ties=s.near_ties, mode_s=dict(s.mode_s), rss_peak_mb=rss,
-                     lookup_steps=s.lookup_steps, guess_steps=s.guess_steps, model_steps=s.model_steps)
+                     lookup_steps=s.lookup_steps, guess_steps=s.guess_steps, model_steps=s.model_steps,
+                     source_s=dict(s.source_s), source_tokens=dict(s.source_tokens))
 
 
 def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:

@@ -109,6 +109,7 @@ class _Run:
         self.history = [int(t) for t in prompt]
         self.carry: Proposal | None = None  # block n+1's proposal, drafted during block n's verify
         self.step_lookup = False  # this step's proposal runs no draft model (a lookup, or the carry)
+        self.step_carry = False  # ... because it is the carry (the draft model's, drafted during the last verify)
         self.step_offer = NO_LOOKUP  # ... and what that lookup had ready
         self.step_source = ANY_SOURCE  # the drafter's source the controller chose for this step
         self.start = time.perf_counter()
@@ -156,12 +157,14 @@ class _Run:
 
     def _plan(self) -> DraftPlan:
         self.step_lookup = False
+        self.step_carry = False
         self.step_offer = NO_LOOKUP
         limit = self.costs.latency_limit(self.max_latency_s, self.limit())
         if self.drafter is None or self.controller is None or limit <= 0:
             return PLAIN
         if self.carry is not None:
             self.step_lookup = True  # drafted during the last verify: this step runs no draft model
+            self.step_carry = True
             return DraftPlan(min(len(self.carry.tokens), limit))
         # The history list itself is passed: no O(context) copy.
         offer = self.drafter.lookup_offer(self.history, limit)
@@ -195,6 +198,9 @@ class _Run:
             stats.record_step(k, committed, committed)
         else:
             stats.record_step(k, drafted, accepted)
+        # A pipelined carry is the draft model's tokens, drafted (and paid for) during the last verify.
+        stats.record_source("plain" if drafted == 0 else "lookup" if self.step_lookup and not self.step_carry
+                            else "model", draft_s + verify_s, committed)
         # Feeding history the draft missed (its deferred prefill, tokens of plain steps) is a
         # one-off, not a per-token draft cost: keep it out of the estimate of c.
         catchup = self.drafter.catchup_s if drafted else 0.0

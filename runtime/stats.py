@@ -40,6 +40,12 @@ class GenerationStats:
     lookup_steps: int = 0  # steps the default policy served with a lookup (the rest: model or plain)
     guess_steps: int = 0  # ... of which a guess: one token after a 1-token match, on a row that was free
     model_steps: int = 0  # steps the default policy served with the draft model
+    # By step source, any drafter ("lookup": a lookup drafted the step, "model": a draft model did,
+    # "plain": nothing was drafted): the steps' seconds (draft with its catch-up, plus verify; a
+    # pipelined step's overlap counts in both) and the tokens they committed. Their ratio is what
+    # each source really cost a token, catch-ups included (bench: "ms/tok l/m/p").
+    source_s: dict[str, float] = field(default_factory=dict)
+    source_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def acceptance(self) -> float:
@@ -74,6 +80,11 @@ class GenerationStats:
             self.drafted_per_position[i] += 1
         for i in range(n_accepted):
             self.accepted_per_position[i] += 1
+
+    def record_source(self, source: str, seconds: float, tokens: int) -> None:
+        """Add one step of ``source`` ("lookup", "model" or "plain"): its seconds and committed tokens."""
+        self.source_s[source] = self.source_s.get(source, 0.0) + seconds
+        self.source_tokens[source] = self.source_tokens.get(source, 0) + tokens
 
     def to_dict(self) -> dict:
         out = asdict(self)

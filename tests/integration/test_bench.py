@@ -601,3 +601,22 @@ def test_the_default_policys_steps_by_source_are_aggregated_and_shown():
     assert cell["sources"] == {"lookup": 3, "guess": 3, "model": 2, "plain": 12}
     assert _sources(cell["sources"]) == "15/15/10/60"
     assert aggregate([base], {("w", 0): base})["sources"] == {} and _sources({}) == ""
+
+
+def test_what_a_token_cost_by_step_source_is_aggregated_and_shown():
+    """``ms_per_token``: per source, the cell's step seconds over the tokens they committed (any
+    configuration); the column shows lookup/model/plain with "-" for a source no step had."""
+    from specedge.bench.report import _by_source_ms
+    from specedge.bench.runner import aggregate
+
+    base = RunRecord(**{**_REC, "config": "baseline", "tokens": [1, 2, 3], "source_s": {"plain": 0.2},
+                        "source_tokens": {"plain": 4}})
+    runs = [RunRecord(**{**_REC, "config": "suffix-adaptive", "tokens": [1, 2, 3],
+                         "source_s": {"lookup": 0.1, "plain": 0.05}, "source_tokens": {"lookup": 4, "plain": 1}}),
+            RunRecord(**{**_REC, "config": "suffix-adaptive", "tokens": [1, 2, 3],
+                         "source_s": {"lookup": 0.2}, "source_tokens": {"lookup": 6}})]
+    cell = aggregate(runs, {("w", 0): base})
+    assert cell["ms_per_token"] == pytest.approx({"lookup": 30.0, "plain": 50.0})
+    assert _by_source_ms(cell["ms_per_token"]) == "30/-/50"
+    assert aggregate([base], {("w", 0): base})["ms_per_token"] == {"plain": 50.0}
+    assert _by_source_ms({}) == ""

@@ -110,15 +110,16 @@ def measured_costs() -> CostModel:
     return CostModel({n: verify_s(n) for n in range(1, 10)}, DRAFT_S, CATCHUP_TOKEN_S)
 
 
-def decode(monkeypatch, tokens: int, drafter=None, controller=None, costs=None) -> float:
+def decode(monkeypatch, tokens: int, drafter=None, controller=None, costs=None,
+           result: loop.LoopResult | None = None) -> float:
     """Decode ``tokens`` through the real loop on the injected clock; returns the decode seconds
-    (after the first token) and checks the output is plain decoding's."""
+    (after the first token) and checks the output is plain decoding's. ``result``: filled in."""
     clock = Clock()
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     if drafter is not None:
         drafter.clock = clock
     prompt = np.arange(40, dtype=np.int64) % VOCAB
-    result = loop.LoopResult()
+    result = result if result is not None else loop.LoopResult()
     blocks = loop.run(FakeTarget(clock), FakeCache(4096), prompt, max_new_tokens=tokens, eos_token_ids=(),
                       sampling=SamplingConfig(), rng=np.random.default_rng(0), drafter=drafter,
                       controller=controller, result=result, costs=costs)
@@ -174,6 +175,35 @@ def test_a_draft_model_that_pays_carries_the_reply(monkeypatch):
     # Once found to pay, the model serves nearly every step: plain steps are the cold start only.
     assert controller.steps["plain"] < 0.25 * tokens
     assert spent < 0.6 * plain
+
+
+def test_each_step_sources_seconds_and_tokens_add_up_to_the_decode(monkeypatch):
+    """GenerationStats.source_*: a never-accepted draft model's steps (probes, catch-ups included)
+    and the plain steps between them, each with its time and the tokens it committed."""
+    costs = measured_costs()
+    controller = DefaultK(8, costs=costs, has_model=True, budget_s=0.5)
+    result = loop.LoopResult()
+    spent = decode(monkeypatch, 300, FakeModelDrafter(Clock(), right=False), controller, costs, result=result)
+    stats = result.stats
+    assert set(stats.source_tokens) == {"model", "plain"}
+    assert sum(stats.source_tokens.values()) == 299  # every token after the prefill's
+    assert sum(stats.source_s.values()) == pytest.approx(spent)
+    assert stats.source_tokens["model"] == controller.steps["model"]  # nothing accepted: one token a step
+    assert stats.source_s["plain"] / stats.source_tokens["plain"] == pytest.approx(STEP_S)
+    assert stats.source_s["model"] / stats.source_tokens["model"] > STEP_S + DRAFT_S  # it lost time
+
+
+def test_lookup_steps_are_recorded_as_lookups(monkeypatch):
+    """Past token 49 the fake target's text repeats the prompt (0, 1, 2, ...): the suffix drafter's
+    copies are lookup steps, each committing several tokens for about one step's time."""
+    from specedge.runtime.suffix_drafter import SuffixDrafter
+
+    costs = measured_costs().lookup_view()
+    result = loop.LoopResult()
+    decode(monkeypatch, 120, SuffixDrafter(), DefaultK(8, costs=costs, has_model=False), costs, result=result)
+    stats = result.stats
+    assert set(stats.source_tokens) <= {"lookup", "plain"} and stats.source_tokens["lookup"] > 60
+    assert stats.source_s["lookup"] / stats.source_tokens["lookup"] < STEP_S / 2
 
 
 def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
