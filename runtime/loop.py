@@ -34,9 +34,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..engines.base import Engine, KVCache
-from .controller import Controller
+from .controller import PLAIN, Controller, DraftPlan
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema
-from .controller import PLAIN, DraftPlan
 from .drafting import ANY_SOURCE, LOOKUP_SOURCE, NO_LOOKUP, Drafter
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -180,6 +179,14 @@ class _Run:
             self.step_offer = offer
         return plan
 
+    def _settle_source(self, proposal: Proposal) -> None:
+        """A proposal says whether a draft model made it: under ``ANY_SOURCE`` the drafter's own order
+        may prefer its model to a weak lookup it offered (the auto drafter does, to a guess)."""
+        if len(proposal.tokens) and not self.step_carry and self.step_lookup == proposal.from_model:
+            self.step_lookup = not proposal.from_model
+            if proposal.from_model:
+                self.step_offer = NO_LOOKUP
+
     def _verify_and_commit(self, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], int]:
         verdict = verify(proposal, logits, self.sampling, self.rng, self.near_tie)
         self.kv.rewind(len(proposal.tokens) - verdict.n_accepted)
@@ -220,6 +227,7 @@ class _Run:
         proposal = self._take_carry(k) or (self.drafter.propose(np.asarray(self.history, np.int64), k,
                                                                 self.step_source)
                                            if k > 0 else Proposal.empty())
+        self._settle_source(proposal)
         drafted = len(proposal.tokens)
         t1 = time.perf_counter()
         last = np.array(self.history[-1:], np.int64)
@@ -239,13 +247,14 @@ class _Run:
             return None
         if len(carry.tokens) > k:
             probs = carry.draft_probs[:k] if carry.draft_probs is not None else None
-            carry = Proposal(carry.tokens[:k], probs)
+            carry = Proposal(carry.tokens[:k], probs, carry.from_model)
         return carry
 
     def step_pipelined(self, k: int, pool: ThreadPoolExecutor) -> list[int]:
         t0 = time.perf_counter()
         arr = np.asarray(self.history, np.int64)
         proposal = self._take_carry(k) or self.drafter.propose(arr, k, self.step_source)
+        self._settle_source(proposal)
         drafted = len(proposal.tokens)
         t1 = time.perf_counter()
         if drafted == 0:
@@ -270,7 +279,7 @@ class _Run:
                    and block[-1] == int(ahead.tokens[0]))
         if guessed and len(ahead.tokens) > 1:
             probs = ahead.draft_probs[1:] if ahead.draft_probs is not None else None
-            self.carry = Proposal(ahead.tokens[1:], probs)
+            self.carry = Proposal(ahead.tokens[1:], probs, ahead.from_model)
         else:
             self.drafter.accept(np.asarray(self.history, np.int64), accepted)  # discards the early draft
         t4 = time.perf_counter()

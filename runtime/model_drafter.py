@@ -204,7 +204,7 @@ class ModelDrafter:
             if i + 1 < k:
                 pending = np.array([token], np.int64)
         draft_probs = np.stack(probs) if probs and not self.sampling.greedy else None
-        return Proposal(np.array(tokens, np.int64), draft_probs)
+        return Proposal(np.array(tokens, np.int64), draft_probs, from_model=True)
 
     def accept(self, history: np.ndarray, n_accepted: int) -> None:
         self._sync(history)

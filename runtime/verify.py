@@ -39,10 +39,13 @@ class Proposal:
     ``tokens``: int64 ``[k']`` with 0 <= k' <= k. ``draft_probs``: float64
     ``[k', V]``, the warped draft distribution each token was drawn from, or
     None for deterministic drafters (n-gram lookup), which count as point masses.
+    ``from_model``: a draft model ran to make it (False: a lookup, which runs none); the
+    loop's step accounting reads it, the verifier does not.
     """
 
     tokens: np.ndarray
     draft_probs: np.ndarray | None = None
+    from_model: bool = False
 
     @staticmethod
     def empty() -> "Proposal":

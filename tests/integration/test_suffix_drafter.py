@@ -92,7 +92,7 @@ class FakeModel:
         pass
 
     def propose(self, history, k, source=ANY_SOURCE):
-        return Proposal(np.full(k, 42, np.int64))
+        return Proposal(np.full(k, 42, np.int64), from_model=True)
 
     def accept(self, history, n_accepted):
         pass

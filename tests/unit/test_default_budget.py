@@ -99,7 +99,7 @@ class FakeModelDrafter:
         self.read = len(history) + k
         last = int(history[-1])
         step = 1 if self.right else 2
-        return Proposal(np.array([(last + step * (i + 1)) % VOCAB for i in range(k)], np.int64))
+        return Proposal(np.array([(last + step * (i + 1)) % VOCAB for i in range(k)], np.int64), from_model=True)
 
     def accept(self, history, n_accepted: int) -> None:
         self.read = min(self.read, len(history) - 1)  # the rejected tail and the target's token: unread
@@ -204,6 +204,38 @@ def test_lookup_steps_are_recorded_as_lookups(monkeypatch):
     stats = result.stats
     assert set(stats.source_tokens) <= {"lookup", "plain"} and stats.source_tokens["lookup"] > 60
     assert stats.source_s["lookup"] / stats.source_tokens["lookup"] < STEP_S / 2
+
+
+def test_a_step_counts_as_the_source_that_drafted_it_not_the_one_offered(monkeypatch):
+    """Under a controller that does not choose sources (fixed k), the auto drafter drafts a guess
+    with its model (runtime/auto_drafter.py): such a step is a model step, in the stats and in what the
+    cost model learns (its draft time is the model's), though a lookup had been offered."""
+    from specedge.runtime.auto_drafter import AutoDrafter
+    from specedge.runtime.controller import FixedK
+    from specedge.runtime.suffix_drafter import SuffixDrafter
+
+    class Recording(FixedK):
+        def __init__(self, k: int) -> None:
+            super().__init__(k)
+            self.outcomes: list[loop.StepOutcome] = []
+
+        def observe(self, step: loop.StepOutcome) -> None:
+            self.outcomes.append(step)
+
+    model = FakeModelDrafter(Clock(), right=False)
+    controller = Recording(2)
+    result = loop.LoopResult()
+    # Prompt 0..39 then the target's 40..49 and 0, 1, 2...: after "49 0" only "0" matches (a guess).
+    decode(monkeypatch, 30, AutoDrafter(SuffixDrafter(min_match=1), model), controller, measured_costs(),
+           result=result)
+    guessed = [s for s in controller.outcomes if s.drafted and 0 < s.match < 2]
+    assert not guessed  # a guess the model drafted instead is not a lookup step
+    model_steps = [s for s in controller.outcomes if s.drafted and not s.lookup]
+    lookup_steps = [s for s in controller.outcomes if s.drafted and s.lookup]
+    assert model_steps and lookup_steps
+    assert all(s.accepted == 0 for s in model_steps) and all(s.accepted == s.drafted for s in lookup_steps)
+    assert result.stats.source_tokens["model"] == len(model_steps)  # wrong drafts: one token a step
+    assert result.stats.source_tokens["lookup"] == sum(s.accepted + 1 for s in lookup_steps)
 
 
 def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
