@@ -220,7 +220,8 @@ class Generator:
                                   has_model=has_model, start_k=config.draft_tokens or spec.draft_tokens,
                                   model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
                                   lookup_acceptance=learned.lookup_acceptance,
-                                  lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0)
+                                  lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0,
+                                  model_realized=learned.model_realized)
         elif adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             alpha, observed = self.memory.acceptance_for(name)

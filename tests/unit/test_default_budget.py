@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from specedge.errors import InvalidParameterError
 from specedge.runtime import loop
 from specedge.runtime.controller import PLAIN, DefaultK, DraftPlan
 from specedge.runtime.costs import CostModel
@@ -356,6 +357,54 @@ def test_the_model_is_chosen_over_a_lookup_only_when_it_promises_more():
     for right, plan in ((0.1, PLAIN), (0.5, DraftPlan(1, LOOKUP_SOURCE))):
         alone = DefaultK(8, costs=costs, has_model=False, lookup_acceptance=[[right] * 8], lookup_observed=[8])
         assert alone.choose(8, lookup_tokens=1, lookup_match=1) == plan
+
+
+def test_the_model_runs_only_while_its_realized_rate_beats_what_it_replaces():
+    """A model predicted right 19 times in 20 whose steps really committed 1 token in 3 steps' time
+    (catch-ups after lookup streaks) is passed over for a plain step and for a guess; while passed
+    over, its estimate drifts back to the prediction, so it runs again; a probe is never held back;
+    what it realized is carried to the next reply."""
+    costs = measured_costs()
+    learned = dict(model_acceptance=[0.95] * 8, model_observed=8, budget_s=1.0)
+    assert DefaultK(8, costs=costs, has_model=True, **learned).choose(8).source == MODEL_SOURCE
+    slow = DefaultK(8, costs=costs, has_model=True, model_realized=(1.0, 3 * STEP_S), **learned)
+    assert slow.realized_rate() == pytest.approx(1 / (3 * STEP_S))
+    assert slow.choose(8) == PLAIN
+    guess = dict(lookup_tokens=1, lookup_match=1)
+    assert slow.choose(8, **guess) == DraftPlan(1, LOOKUP_SOURCE)
+    passes = 0
+    while slow.choose(8) == PLAIN:
+        passes += 1
+        assert passes < 200
+    assert slow.realized_rate() > 1 / STEP_S and passes > 10  # forgotten slowly, not at once
+    # A probe (the prediction itself chose plain steps) runs whatever was realized.
+    probe = DefaultK(8, costs=costs, has_model=True, model_acceptance=[0.0] * 8, model_observed=8, budget_s=1.0,
+                     model_realized=(1.0, 3 * STEP_S))
+    plans = [probe.choose(8) for _ in range(probe.model.probe_every)]
+    assert plans[-1].source == MODEL_SOURCE and all(p == PLAIN for p in plans[:-1])
+    # Model steps are folded in (from the prediction, EMA): fast steps lift a slow estimate; carried on.
+    fast = DefaultK(8, costs=costs, has_model=True, model_realized=(1.0, 3 * STEP_S), **learned)
+    before = fast.realized_rate()
+    fast.steps["model"] = 1  # not the reply's first model step: its catch-up counts
+    fast.observe(loop.StepOutcome(4, 4, 4, 4 * DRAFT_S, verify_s(5)))
+    assert fast.realized_rate() > before
+    assert DefaultK(8, costs=costs, has_model=True, model_realized=fast.snapshot().model_realized,
+                    **learned).realized_rate() == pytest.approx(fast.realized_rate())
+    with pytest.raises(InvalidParameterError, match="model_realized"):
+        DefaultK(8, costs=costs, has_model=True, model_realized=(1.0, 0.0))
+
+
+def test_a_replys_first_model_step_does_not_count_its_prompt_catchup():
+    """The deferred prompt prefill of a reply's first model step was weighed against the whole reply:
+    it is left out of the realized rate; a later step's catch-up (after a lookup streak) is not."""
+    costs = measured_costs()
+    outcome = loop.StepOutcome(4, 4, 4, 4 * DRAFT_S, verify_s(5), catchup_s=0.04, catchup_tokens=40)
+    first = DefaultK(8, costs=costs, has_model=True)
+    first.observe(outcome)
+    later = DefaultK(8, costs=costs, has_model=True)
+    later.steps["model"] = 3
+    later.observe(outcome)
+    assert first.model_realized[1] == pytest.approx(later.model_realized[1] - DefaultK.REALIZED_WEIGHT * 0.04)
 
 
 def test_a_draft_plan_is_checked():
