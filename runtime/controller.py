@@ -290,13 +290,13 @@ class DefaultK:
     the model is chosen only while its *realized* rate, the committed tokens over the seconds of its
     steps (``REALIZED_WEIGHT`` EMAs that start from the prediction and are carried across replies;
     catch-ups included, but for the deferred prompt prefill of a reply's first model step), beats the
-    rate of what it would replace (the lookup's, or a plain step's). Probes are exempt: they are how
-    a model that was passed over gets measured again. On
-    the bench's agent workload (JSON tool calls, Qwen int4 pair, six calls) the default's model steps
-    cost 56 ms a token against 30 for its lookups and 50-53 for plain steps; the default without its
-    model ran 1.61x, with it 1.39x (``specedge bench``'s ms/tok column; an interleaved A/B). While the
-    model is passed over, its realized estimate drifts back towards the prediction
-    (``REALIZED_FORGET`` a step), so it is tried again now and then (within the budget below).
+    rate of what it would replace (the lookup's, or a plain step's). On the bench's agent workload
+    (JSON tool calls, Qwen int4 pair, six calls) the default's model steps cost 56 ms a token against
+    30 for its lookups and 50-53 for plain steps; the default without its model ran 1.61x, with it
+    1.39x (``specedge bench``'s ms/tok column; an interleaved A/B). While the model is passed over,
+    its realized estimate drifts back towards the prediction (``REALIZED_FORGET`` a step), so it is
+    tried again now and then (within the budget below); probes are exempt, as they are how a model
+    that was passed over gets measured again.
 
     Exploration budget: every draft-model step (its drafts might all be rejected) is allowed
     only when the budget covers what it would then lose (``CostModel.loss_if_rejected``: its
