@@ -250,6 +250,16 @@ def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int
 
 
 # ----------------------------------------------------------------------------- aggregation
+def _ms_per_token(runs: list[RunRecord]) -> dict[str, float]:
+    """Per step source, the cell's seconds over its committed tokens, in ms (sources without tokens left out)."""
+    out = {}
+    for source in ("lookup", "model", "plain"):
+        tokens = sum(r.source_tokens.get(source, 0) for r in runs)
+        if tokens:
+            out[source] = 1e3 * sum(r.source_s.get(source, 0.0) for r in runs) / tokens
+    return out
+
+
 def aggregate(runs: list[RunRecord], baseline: dict[tuple[str, int], RunRecord]) -> dict:
     """Metrics of one (workload category, configuration) cell; see bench/metrics.py for definitions."""
     tps = [r.tokens_per_s for r in runs if r.tokens_per_s > 0]
@@ -344,16 +354,6 @@ def bound(cell: dict, config: BenchConfig, costs: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the run
-def _ms_per_token(runs: list[RunRecord]) -> dict[str, float]:
-    """Per step source, the cell's seconds over its committed tokens, in ms (sources without tokens left out)."""
-    out = {}
-    for source in ("lookup", "model", "plain"):
-        tokens = sum(r.source_tokens.get(source, 0) for r in runs)
-        if tokens:
-            out[source] = 1e3 * sum(r.source_s.get(source, 0.0) for r in runs) / tokens
-    return out
-
-
 def _record(result, workload: Workload, config: str, round_: int, rss: float) -> RunRecord:
     s = result.stats
     return RunRecord(workload=workload.id, category=workload.category, config=config, round=round_,

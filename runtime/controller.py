@@ -422,7 +422,7 @@ class DefaultK:
         # ... and only while what it realized beats what it would replace (undiscounted rates); a probe
         # (its prediction chose plain steps) is what measures it again, so a probe is not held back.
         replaced = lookup[0] * AdaptiveK.SPECULATION_MARGIN if lookup is not None else self.model.rate(0)
-        if k > 0 and self.model.best_k(limit) > 0 and self.realized_rate() <= replaced:
+        if k > 0 and self.realized_rate() <= replaced and self.model.best_k(limit) > 0:
             self._forget_realized(k)
             k = 0
         if k > 0:
