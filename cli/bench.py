@@ -441,3 +441,62 @@ def prefill_command(bundle, lengths, threads, repeats, peers, out) -> None:
         Path(f"{out}.md").write_text(f"```\n{command}\n```\n\n{header}\n\n{text}\n", encoding="utf-8")
         click.echo(f"results: {out}.md and {out}.json", err=True)
     click.echo(f"{header}\n\n{text}")
+
+
+@bench.command("bound")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--workloads", default=None, help=f"Categories, comma separated: {','.join(CATEGORIES)} "
+              "(default: all).")
+@click.option("--prompts", "per_category", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Prompts per category, in the suite's order (later ones draft from earlier replies).")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Tokens per reply.")
+@click.option("--reps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Repetitions of the step-cost measurement (paired medians of v(k) and c).")
+@click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
+@click.option("--draft-window", type=click.IntRange(min=0), default=None,
+              help="Prompt tokens the draft model reads, as the draft_window option (default: the runtime's "
+              "default; 0: the whole prompt).")
+@click.option("--suite", type=click.Path(path_type=Path), default=None, help="Another prompt suite JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result document (per-position counts included) "
+              "as JSON instead of the table.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Write <out>.md (the table and the command) and <out>.json.")
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+def bound_command(bundle, workloads, per_category, max_new_tokens, reps, threads, draft_window, suite, as_json, out,
+                  no_progress) -> None:
+    """The most any speculation policy could give on each workload, on this machine.
+
+    Decodes each prompt plainly once and counts, at every reply position, how many tokens the
+    default drafter's suffix lookup and the draft model (greedy) would have drafted right. An
+    oracle that knows those counts picks every step's source and k at the measured step costs
+    (v(k), c); its speedup over plain decoding bounds what any policy over the same drafts can
+    reach (the draft's prompt prefill is charged once, its later catch-ups are free). Columns:
+    lookups alone, the draft model alone, both, and both with every verify priced as a plain step
+    (free extra verify rows).
+    Compare a workload's `specedge bench run` speedups with its bound: a default near the
+    bound cannot gain by choosing better.
+    """
+    import json
+
+    from ..bench.bound import render, run_bound
+    from ..runtime.options import check
+    from ..bench.progress import Progress
+    from ..bench.suite import load_suite
+    from ..runtime.generator import Generator
+
+    selected = (load_suite(suite) if suite else load_suite()).select(list(_csv(workloads) or ()) or None,
+                                                                     per_category)
+    gen = Generator.from_bundle(bundle, threads=threads)
+    bar = Progress(2 * len(selected), title="specedge bench bound", enabled=not no_progress)
+    window = {} if draft_window is None else {"draft_window": check("draft_window", draft_window or None,
+                                                                        where="--draft-window")}
+    doc = run_bound(gen, selected, max_new_tokens=max_new_tokens, reps=reps, progress=bar, **window)
+    bar.close()
+    doc["command"] = shlex.join(["specedge", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "specedge bench bound"
+    text = render(doc)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        Path(f"{out}.md").write_text(f"```\n{doc['command']}\n```\n\n{text}\n", encoding="utf-8")
+    click.echo(json.dumps(doc) if as_json else text)

@@ -620,3 +620,61 @@ def test_what_a_token_cost_by_step_source_is_aggregated_and_shown():
     assert _by_source_ms(cell["ms_per_token"]) == "30/-/50"
     assert aggregate([base], {("w", 0): base})["ms_per_token"] == {"plain": 50.0}
     assert _by_source_ms({}) == ""
+
+
+def test_bench_bound_prints_each_workloads_bounds_and_writes_its_files(tiny, tmp_path):
+    """`specedge bench bound` on the tiny bundle: every selected workload has its bounds, ordered as
+    an oracle's must be (more sources or free verifies never bound lower), and per-position counts
+    with one entry per reply token."""
+    out = tmp_path / "bound"
+    result = _bench(["bound", str(tiny["bundle"]), "--workloads", "repeat,agent", "--prompts", "2", "--reps", "2",
+                     "--max-new-tokens", "12", "--no-progress", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert set(doc["categories"]) == {"repeat", "agent"}
+    assert doc["has_draft_model"] and doc["prices"]["v"][0] == 1.0 and doc["prices"]["c"] > 0
+    for cell in doc["categories"].values():
+        bound = cell["bound"]
+        assert bound["lookup"] >= 1.0 - 1e-9 and bound["model"] >= 1.0 - 1e-9
+        assert bound["both"] >= max(bound["lookup"], bound["model"]) - 1e-9
+        assert bound["both_free_verify"] >= bound["both"] - 1e-9
+    for prompt in doc["prompts"]:
+        assert len(prompt["lookup_right"]) == len(prompt["lookup_offered"]) == len(prompt["model_right"]) == prompt["tokens"]
+        assert all(r <= o for r, o in zip(prompt["lookup_right"], prompt["lookup_offered"]))
+    assert all(0.0 <= cell["model_right"] <= 1.0 for cell in doc["categories"].values())
+    assert "| repeat |" in out.with_suffix(".md").read_text() and json.loads(out.with_suffix(".json").read_text())
+
+
+def test_bench_bound_refuses_a_missing_bundle_by_name(tmp_path):
+    from specedge.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", "bound", str(tmp_path / "nope")])
+    assert result.exit_code != 0
+    assert "nope" in result.output
+
+
+def test_bench_bound_model_counts_equal_the_draft_models_own_greedy_steps(tiny):
+    """The teacher-forced forward says, at each reply position, what a 1-token draft step there
+    would propose: the bound counts the drafts the model drafter would really make."""
+    import numpy as np
+
+    from specedge.bench.bound import model_correct
+    from specedge.runtime.generator import Generator
+
+    gen = Generator.from_bundle(tiny["bundle"])
+    ids = [5, 17, 42, 99, 7, 3]
+    reply = list(gen.generate(input_ids=ids, max_new_tokens=16, speculation=False).token_ids)
+    cache = gen.draft.new_cache()
+    logits = gen.draft.forward(np.asarray(ids, np.int64), cache, 1)
+    stepped, clear = [], []
+    for token in reply:
+        index = int(np.argmax(logits[-1]))
+        stepped.append((index if gen.draft_head_ids is None else int(gen.draft_head_ids[index])) == token)
+        top2 = np.sort(logits[-1])[-2:]
+        # A batched and a 1-row forward agree to ~1e-7 here (AVX-512 EPYC); near ties below 1e-3 are
+        # left out, so another CPU's kernels cannot flip what is compared.
+        clear.append(top2[1] - top2[0] > 1e-3)
+        logits = gen.draft.forward(np.asarray([token], np.int64), cache, 1)
+    counted = model_correct(gen.draft, gen.draft_head_ids, ids, reply)
+    assert sum(clear) >= len(reply) // 2
+    assert [c for c, ok in zip(counted, clear) if ok] == [s for s, ok in zip(stepped, clear) if ok]
