@@ -24,7 +24,8 @@ own work per step is added to each); a schedule that runs the model also pays, o
 draft's prefill of what it reads of the prompt, and the oracle runs the model only where that
 pays. The model's later catch-ups (reading what lookups committed) are free for the oracle,
 so the bounds with the model are upper bounds. The **bound** is decode tokens over that cost: a
-speedup over plain decoding no policy over these drafts can beat on this machine. A fourth bound
+speedup over plain decoding no policy over these drafts can beat on this machine, up to the noise of
+the measured prices (a `bench run` speedup measured on another occasion may exceed it by a few %). A fourth bound
 prices every verify like a plain step (v = 1: what free extra verify rows, as on a GPU, would allow).
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Sequence
 
 import numpy as np
@@ -231,8 +233,9 @@ def measure_prices(gen, probe: Sequence[int], max_k: int, reps: int, plain_step_
     # A verify of more rows never costs less: a noisy dip would hand the oracle longer drafts for free.
     v = tuple(np.maximum.accumulate(v).tolist())
     c = None if measured["draft_token_s"] is None else float(measured["draft_token_s"]) / plain
-    return StepPrices(v, c), {"target_step_s": step_s, "loop_s": loop_s, "v_forward": measured["v"],
-                              "draft_token_s": measured["draft_token_s"]}
+    return StepPrices(v, c), {"target_step_s": step_s, "loop_s": loop_s, "unit_s": plain, "v_forward": measured["v"],
+                              "draft_token_s": measured["draft_token_s"],
+                              "draft_prefill_token_s": measured.get("draft_prefill_token_s")}
 
 
 def run_bound(gen, workloads: list, *, max_new_tokens: int, reps: int, progress,
@@ -249,10 +252,13 @@ def run_bound(gen, workloads: list, *, max_new_tokens: int, reps: int, progress,
     from ..runtime import auto_drafter
     from ..runtime.memory import SpeculationMemory
     from ..runtime.options import GenerationConfig
+    from .runner import machine_info
 
     if max_new_tokens < 2 or reps < 1:
         raise InvalidParameterError("bench bound needs max_new_tokens >= 2 and reps >= 1")
     max_k = gen.manifest.speculation.max_draft_tokens
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    machine = machine_info()  # load average at the start
     encoded = [(w, *w.encode(gen)) for w in workloads]
     probe = sorted(encoded, key=lambda e: len(e[1]))[len(encoded) // 2][1]  # the median prompt's length
     gen.warmup()
@@ -273,11 +279,11 @@ def run_bound(gen, workloads: list, *, max_new_tokens: int, reps: int, progress,
         model = (right_runs(model_correct(gen.draft, gen.draft_head_ids, context, reply))
                  if gen.draft is not None else None)
         memory.remember_reply(reply, ids)
-        prefill = len(context) * measured.get("draft_prefill_token_s", 0.0) / plain_step_s
+        prefill = len(context) * (measured["draft_prefill_token_s"] or 0.0) / measured["unit_s"]  # in plain steps
         schedules = bounds_of(right, offered, model, prices, model_prefill=prefill)
         prompts.append({"id": w.id, "category": w.category, "tokens": len(reply),
                         "plain_tokens_per_s": plain_tps,
-                        "lookup_right_share": _share(right), "model_right_share": _share(model),
+                        "lookup_right_share": _share(right[1:]), "model_right_share": _share(model and model[1:]),
                         "bounds": {name: _schedule_doc(s) for name, s in schedules.items()},
                         "lookup_right": right, "lookup_offered": offered, "model_right": model})
         progress.advance(w.id)
@@ -298,14 +304,15 @@ def run_bound(gen, workloads: list, *, max_new_tokens: int, reps: int, progress,
         cell["lookup_right"] = _share([x for p in mine for x in p["lookup_right"][1:]])
         if gen.draft is not None:
             cell["model_right"] = _share([x for p in mine for x in p["model_right"][1:]])
-    return {"max_new_tokens": max_new_tokens, "max_k": max_k, "draft_window": draft_window,
+    return {"date": started, "machine": machine, "max_new_tokens": max_new_tokens, "max_k": max_k,
+            "draft_window": draft_window,
             "prices": {"v": list(prices.v), "c": prices.c},
             "plain_step_s": plain_step_s, "measured": measured,
             "has_draft_model": gen.draft is not None, "categories": categories, "prompts": prompts}
 
 
 def _share(right: Sequence[int] | None) -> float | None:
-    """Share of positions where the source's first drafted token is right."""
+    """Share of decode positions (after the prefill's token) where the source's first drafted token is right."""
     if right is None:
         return None
     return sum(1 for r in right if r > 0) / len(right) if len(right) else 0.0
@@ -325,7 +332,10 @@ def render(doc: dict) -> str:
     loop_ms = 1e3 * doc["measured"]["loop_s"]
     window = doc["draft_window"]
     reads = "whole prompts" if window is None else f"at most {window} prompt tokens (draft window)"
-    lines = [f"plain step {1e3 * doc['plain_step_s']:.1f} ms ({loop_ms:.1f} ms of it the loop's own work); step prices "
+    m = doc["machine"]
+    lines = [f"{doc['date']} UTC; {m['cpu']}, {m['usable_cores']} usable cores, load average at start "
+             f"{m['load_average']}; onnxruntime {m['onnxruntime']}", "",
+             f"plain step {1e3 * doc['plain_step_s']:.1f} ms ({loop_ms:.1f} ms of it the loop's own work); step prices "
              f"in plain steps: verify v(k) {v}; draft token {c}; the draft reads {reads}", "",
              "| workload | prompts | decode tokens | lookup right at | model right at | bound: lookup | model | both "
              "| both, free verify |", "|---|---|---|---|---|---|---|---|---|"]

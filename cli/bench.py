@@ -44,6 +44,10 @@ def bench() -> None:
 
     \b
     specedge bench BUNDLE [OPTIONS]        the benchmark (same as `specedge bench run`)
+    specedge bench bound BUNDLE            the most any policy over the same drafts could give
+    specedge bench prefill BUNDLE          prompt tokens per second, ours vs peers
+    specedge bench conversation BUNDLE     a voice-agent call turn by turn (cold vs reused cache)
+    specedge bench profile --graph ...     per-op profiles of graphs, ours vs GenAI's
     specedge bench variants --target ...   which quantization variant to ship
     specedge bench threads BUNDLE          which thread split wins for pipelined speculation
     """
@@ -493,6 +497,7 @@ def bound_command(bundle, workloads, per_category, max_new_tokens, reps, threads
                                                                         where="--draft-window")}
     doc = run_bound(gen, selected, max_new_tokens=max_new_tokens, reps=reps, progress=bar, **window)
     bar.close()
+    doc["bundle"] = str(bundle)
     doc["command"] = shlex.join(["specedge", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "specedge bench bound"
     text = render(doc)
     if out is not None:

@@ -633,6 +633,8 @@ def test_bench_bound_prints_each_workloads_bounds_and_writes_its_files(tiny, tmp
     doc = json.loads(result.output)
     assert set(doc["categories"]) == {"repeat", "agent"}
     assert doc["has_draft_model"] and doc["prices"]["v"][0] == 1.0 and doc["prices"]["c"] > 0
+    assert doc["measured"]["draft_prefill_token_s"] > 0  # the draft's prompt prefill is priced, not free
+    assert list(doc["prices"]["v"]) == sorted(doc["prices"]["v"])  # a longer verify never costs less
     for cell in doc["categories"].values():
         bound = cell["bound"]
         assert bound["lookup"] >= 1.0 - 1e-9 and bound["model"] >= 1.0 - 1e-9
