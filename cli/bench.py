@@ -484,17 +484,18 @@ def bound_command(bundle, workloads, per_category, max_new_tokens, reps, threads
     import json
 
     from ..bench.bound import render, run_bound
-    from ..runtime.options import check
     from ..bench.progress import Progress
     from ..bench.suite import load_suite
     from ..runtime.generator import Generator
+    from ..runtime.options import check
 
+    # Every option is checked before a session loads.
+    window = {} if draft_window is None else {"draft_window": check("draft_window", draft_window or None,
+                                                                        where="--draft-window")}
     selected = (load_suite(suite) if suite else load_suite()).select(list(_csv(workloads) or ()) or None,
                                                                      per_category)
     gen = Generator.from_bundle(bundle, threads=threads)
     bar = Progress(2 * len(selected), title="specedge bench bound", enabled=not no_progress)
-    window = {} if draft_window is None else {"draft_window": check("draft_window", draft_window or None,
-                                                                        where="--draft-window")}
     doc = run_bound(gen, selected, max_new_tokens=max_new_tokens, reps=reps, progress=bar, **window)
     bar.close()
     doc["bundle"] = str(bundle)

@@ -653,6 +653,9 @@ def test_bench_bound_refuses_a_missing_bundle_by_name(tmp_path):
     result = CliRunner().invoke(main, ["bench", "bound", str(tmp_path / "nope")])
     assert result.exit_code != 0
     assert "nope" in result.output
+    # A bad option is refused by name before any bundle is read.
+    result = CliRunner().invoke(main, ["bench", "bound", str(tmp_path / "nope"), "--draft-window", "2"])
+    assert result.exit_code == 2 and "--draft-window" in result.output and "nope" not in result.output
 
 
 def test_bench_bound_model_counts_equal_the_draft_models_own_greedy_steps(tiny):
