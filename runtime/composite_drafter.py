@@ -1,4 +1,10 @@
-"""The composite drafter: prompt lookup when the history repeats itself, else the draft model."""
+"""The composite drafter: prompt lookup (n-gram) or the draft model.
+
+Adaptive, it runs under the default controller (:class:`~.controller.DefaultK`), which chooses
+each step's source from each one's own acceptance and cost, as for the default drafter
+(runtime/auto_drafter.py, whose lookup is the suffix drafter with earlier replies). With a
+fixed k (``ANY_SOURCE``) it drafts the n-gram match when there is one, else the model.
+"""
 
 from __future__ import annotations
 
@@ -65,8 +71,9 @@ class CompositeDrafter(ModelCatchupOfLastProposal):
         self.model.accept(history, n_accepted)
 
     def pending_tokens(self, history) -> int:
-        # A step the n-gram side serves feeds the model nothing: there is no catch-up to weigh.
-        return 1 if self.ngram.has_match(history) else self.model.pending_tokens(history)
+        # What a model proposal would read first. A step the n-gram side serves feeds the model
+        # nothing: the controller (DefaultK) weighs the catch-up only for the model source.
+        return self.model.pending_tokens(history)
 
     def lookup_offer(self, history, limit: int) -> LookupOffer:
         return self.ngram.lookup_offer(history, limit)

@@ -19,7 +19,7 @@ from .drafting import DraftModel, Drafter, DrafterSpec
 
 
 def _entry(module: str, *, needs_draft_model: bool, help: str, reads_replies: bool = False,
-           optional_draft_model: bool = False) -> DrafterSpec:
+           optional_draft_model: bool = False, per_source: bool = False) -> DrafterSpec:
     """The registry entry of runtime/<module>.py, whose ``build`` is imported on first use. Its
     ``build(config, draft)`` gets ``replies`` as a third argument only when ``reads_replies``."""
     def build(config, draft, replies):
@@ -27,14 +27,14 @@ def _entry(module: str, *, needs_draft_model: bool, help: str, reads_replies: bo
         return make(config, draft, replies) if reads_replies else make(config, draft)
 
     return DrafterSpec(build, needs_draft_model=needs_draft_model, reads_replies=reads_replies, help=help,
-                       optional_draft_model=optional_draft_model)
+                       optional_draft_model=optional_draft_model, per_source=per_source)
 
 NO_DRAFTER = "none"  # speculation off: every step is a plain target step
 
 DEFAULT_DRAFTER = "auto"  # what a bundle runs unless its manifest or the call names another
 
 DRAFTERS: dict[str, DrafterSpec] = {
-    "auto": _entry("auto_drafter", needs_draft_model=False, reads_replies=True, optional_draft_model=True,
+    "auto": _entry("auto_drafter", needs_draft_model=False, reads_replies=True, optional_draft_model=True, per_source=True,
                    help="the default: per step, the suffix lookup (with earlier replies; 1-token guesses on free "
                         "rows), the draft model (if the bundle has one) or a plain step, whichever the cost "
                         "model expects to be fastest"),
@@ -42,8 +42,9 @@ DRAFTERS: dict[str, DrafterSpec] = {
                     help="the bundle's draft model proposes (best on free-form text)"),
     "ngram": _entry("ngram_drafter", needs_draft_model=False,
                     help="prompt lookup: continue an earlier occurrence of the last tokens (code, quoting)"),
-    "composite": _entry("composite_drafter", needs_draft_model=True,
-                        help="prompt lookup when the text repeats itself, else the draft model"),
+    "composite": _entry("composite_drafter", needs_draft_model=True, per_source=True,
+                        help="prompt lookup or the draft model, per step whichever the cost model expects to be "
+                             "fastest (with a fixed k: the lookup when the text repeats itself, else the model)"),
     "suffix": _entry("suffix_drafter", needs_draft_model=False, reads_replies=True,
                      help="suffix lookup over the prompt, the output and earlier replies (agents, read-backs)"),
 }

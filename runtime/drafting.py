@@ -126,6 +126,11 @@ class DrafterSpec:
     help: str  # one line, shown by the CLI
     reads_replies: bool = False  # drafts from earlier replies too: the Generator feeds it each finished reply
     # Runs the draft model when the bundle has one, and drafts without it otherwise (the default
-    # drafter): its cost model starts from the draft's measured costs, and the default controller
-    # (runtime/controller.py DefaultK) chooses between its lookup and its model per step.
+    # drafter): its cost model starts from the draft's measured costs.
     optional_draft_model: bool = False
+    # Drafts from a lookup and from the draft model, the source chosen per step: adaptive, it runs
+    # under the default controller (runtime/controller.py DefaultK), which learns each source's
+    # acceptance apart. One shared estimate let a few rejected model drafts switch off lookups that
+    # were right (traced on `specedge demo`: 3 rejected model steps, then 15 plain steps on a
+    # reply the n-gram lookup copies from the prompt, 0.79x plain).
+    per_source: bool = False

@@ -212,7 +212,7 @@ class Generator:
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
         has_model = uses_draft_model(name, self.draft is not None)
-        if adaptive and DRAFTERS[name].optional_draft_model:
+        if adaptive and DRAFTERS[name].per_source:
             # The default policy: per step the source expected fastest (lookup, model, plain), on a budget.
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             learned = self.memory.learned_for(name)

@@ -83,11 +83,6 @@ class NGramDrafter:
         self._matched = (len(seq), found)
         return found
 
-    def has_match(self, history) -> bool:
-        """Whether ``propose(history, k)`` would propose anything (``history``: any int sequence)."""
-        self._sync(history)
-        return self._match_start() is not None
-
     def accept(self, history: np.ndarray, n_accepted: int) -> None:
         self._sync(history)
 

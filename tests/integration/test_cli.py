@@ -170,6 +170,20 @@ def test_generate_plain_stream_and_stats(int4_bundle, load_generator):
     assert re.search(r"draft catch-up \d+ tokens in \d+ ms \(\d+ steps kept plain", streamed.stderr)
 
 
+def test_demo_on_an_existing_bundle_compares_plain_with_the_default_drafter(int4_bundle, load_generator):
+    """`specedge demo --out BUNDLE` skips the fetch and export: the baseline is plain decoding, the
+    speculative run is the default drafter (what `generate` runs), and both give the same tokens."""
+    result = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, speculation=False).token_ids
+    assert out["identical"] is True
+    assert out["baseline"]["token_ids"] == out["speculative"]["token_ids"] == expected
+    assert out["baseline"]["stats"]["drafter"] == "none" and out["speculative"]["stats"]["drafter"] == "auto"
+    text = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16")
+    assert text.exit_code == 0 and "identical tokens: yes" in text.stdout and "tokens by source:" in text.stdout
+
+
 def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
     out = tmp_path / "cli-bundle"
     result = _invoke("export", "--target", tiny_model("gpt2"), "--out", out, "--max-context", "64", "--quiet",

@@ -183,13 +183,13 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         gen.memory = saved_memory
 
 
-def test_the_composite_reports_no_catchup_for_a_step_its_ngram_side_serves(gen):
-    """A step the n-gram side can serve needs no draft catch-up, so the controller's catch-up
-    gate must not stop prompt lookup; other steps report the model's catch-up."""
+def test_the_composite_charges_no_catchup_to_a_step_its_ngram_side_serves(gen):
+    """``pending_tokens`` is what a model proposal would read (the controller weighs it for the model
+    source only); a step the n-gram side serves reads nothing and reports no catch-up."""
     composite = CompositeDrafter(NGramDrafter(3, 2), drafter(gen, window=8))
     repeating = LONG_PROMPT + LONG_PROMPT[:3]  # ends with a 3-gram seen at the start
     composite.begin(np.asarray(repeating))
-    assert composite.pending_tokens(repeating) == 1
+    assert composite.pending_tokens(repeating) == 8  # the model's window, though the n-gram side has a match
     assert len(composite.propose(np.asarray(repeating, np.int64), 4).tokens) == 4  # served by the n-gram side
     assert composite.catchup_tokens == 0 and composite.model.cache.length == 0
     fresh = LONG_PROMPT  # its last 2 tokens occur nowhere earlier
