@@ -53,6 +53,7 @@ class ControllerSnapshot:
     guess_steps: int = 0  # ... and with a guess (a lookup continuing a 1-token match)
     # DefaultK: the draft model's realized (tokens, seconds) per step, EMAs (catch-ups included).
     model_realized: tuple[float, float] | None = None
+    lookup_share: float | None = None  # DefaultK: the share of decode tokens its strong lookups committed
 
 
 class Controller(Protocol):
@@ -282,7 +283,13 @@ class DefaultK:
        v(k) and catch-up chooses k, 0 when no k beats a plain step. Where a lookup was drafted
        too, the model runs instead only when its expected rate, this step's catch-up included,
        beats the lookup's (a 1-2 token lookup continuing a weak match against a draft model that
-       is right 9 times in 10);
+       is right 9 times in 10). A catch-up is a one-off the rest of the reply must repay
+       (``AdaptiveK.catchup_pays``), but only the tokens the model itself will serve repay it: the
+       expected rest of the reply is scaled by the share of tokens strong lookups do *not* commit
+       (:meth:`lookup_share`, carried across replies). Traced on the bench's agent workload (Qwen int4
+       on a 2-core AVX2 EPYC, where the draft's 64-token prompt prefill costs 9 plain steps): with
+       lookups committing ~70% of each reply, the model started in most replies, won back 1-2 plain
+       steps over its 4-9 steps, and ran at 198 ms a token against 139 for plain steps;
     3. otherwise a plain step.
 
     What the model really delivers: a model step also pays the catch-up on whatever lookup and plain
@@ -344,16 +351,26 @@ class DefaultK:
     # pooled over the bench's workloads (0.19 on chat, 0.57 on code).
     LOOKUP_PRIORS = (0.4, 0.6, 0.8, 0.9)
 
+    # The lookup share (``lookup_share``) carried from earlier replies counts as this many tokens of
+    # evidence against the current reply's own: half a typical 64-token reply, so a reply unlike the
+    # last ones outweighs them after ~32 tokens, and its first tokens are not judged on themselves alone.
+    SHARE_PRIOR_TOKENS = 32
+
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
                  model_acceptance: list[float] | None = None, model_observed: int = 0,
                  lookup_acceptance: Sequence[Sequence[float]] | None = None, lookup_observed: Sequence[int] = (),
-                 budget_s: float = 0.0, model_realized: Sequence[float] | None = None) -> None:
+                 budget_s: float = 0.0, model_realized: Sequence[float] | None = None,
+                 lookup_share: float | None = None) -> None:
         """``costs``: the drafter's one CostModel (the loop feeds it); the ``*_acceptance``,
-        ``budget_s`` and ``model_realized``: what the previous reply ended with (its :meth:`snapshot`;
-        the lookup's, one entry per ``LOOKUP_CONFIDENCE`` class)."""
+        ``budget_s``, ``model_realized`` and ``lookup_share``: what the previous reply ended with (its
+        :meth:`snapshot`; the lookup's, one entry per ``LOOKUP_CONFIDENCE`` class)."""
         if model_realized is not None and (len(model_realized) != 2 or
                                            not all(math.isfinite(x) and x > 0 for x in model_realized)):
             raise InvalidParameterError(f"model_realized needs (tokens, seconds) > 0; got {model_realized!r}")
+        if lookup_share is not None and not 0.0 <= lookup_share <= 1.0:
+            raise InvalidParameterError(f"lookup_share must be in [0, 1]; got {lookup_share!r}")
+        self.carried_lookup_share = lookup_share
+        self.committed = {"lookup": 0, "all": 0}  # decode tokens this reply's steps committed
         self.costs = costs
         # Lower bounds (tokens ready) of the strong classes, LOOKUP_CONFIDENCE[1:].
         self.lookup_bounds = tuple(max_k if low is None else low for low in self.LOOKUP_CONFIDENCE[1:])
@@ -373,6 +390,16 @@ class DefaultK:
         self.overhead_s = 0.0
         self.mode_s = {"speculative": 0.0, "plain": 0.0}
         self.steps = {"lookup": 0, "model": 0, "plain": 0, "guess": 0}  # how the steps were served
+
+    def lookup_share(self) -> float:
+        """The share of decode tokens strong lookups (guesses excluded: once the model runs, it takes
+        their positions, ``model_beats``) commit: this reply's, shrunk towards the carried share by
+        ``SHARE_PRIOR_TOKENS`` (0 before any evidence)."""
+        lookup, total = self.committed["lookup"], self.committed["all"]
+        if self.carried_lookup_share is not None:
+            lookup += self.carried_lookup_share * self.SHARE_PRIOR_TOKENS
+            total += self.SHARE_PRIOR_TOKENS
+        return lookup / total if total else 0.0
 
     def budget_cap(self) -> float:
         t_plain = self.costs.target_cost(1)
@@ -415,7 +442,10 @@ class DefaultK:
                 lookup = (side.effective_rate(k), DraftPlan(k, LOOKUP_SOURCE))
         if self.model is None or (lookup is not None and not self.model_beats(lookup[0], limit, catchup_tokens)):
             return lookup[1] if lookup is not None else PLAIN
-        k = self.model.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=expected_remaining)
+        # A catch-up is repaid only by the tokens the model itself will serve: lookups take the positions
+        # where they have an offer, so the rest of the reply left to the model is its non-lookup share.
+        model_remaining = None if expected_remaining is None else expected_remaining * (1.0 - self.lookup_share())
+        k = self.model.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=model_remaining)
         # The draft model's probes, priors and catch-ups run only when the budget covers their loss.
         while k > 0 and self.costs.loss_if_rejected(k, catchup_tokens) > self.budget_s:
             k -= 1  # what the budget cannot cover if every draft is rejected
@@ -480,6 +510,11 @@ class DefaultK:
             side.observe(step)
             self.steps["lookup" if lookup else "model"] += 1
             self.steps["guess"] += int(lookup and 0 < step.match < STRONG_MATCH)
+        committed = step.accepted + 1
+        self.committed["all"] += committed
+        # Positions a strong lookup took: a guess's (a 1-token match) would go to the model once it runs.
+        strong_lookup = step.drafted and (step.lookup or self.model is None) and not 0 < step.match < STRONG_MATCH
+        self.committed["lookup"] += committed if strong_lookup else 0
         self.plain_s += plain
         self.overhead_s += spent - plain
         self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - plain), self.budget_cap())
@@ -504,4 +539,6 @@ class DefaultK:
                                   tuple(self.mode_s.items()), tuple(s.acceptance for s in lookups),
                                   tuple(s.observed for s in lookups), self.budget_s, self.plain_s, self.overhead_s,
                                   self.steps["lookup"], self.steps["model"], self.steps["guess"],
-                                  tuple(self.model_realized) if self.model_realized is not None else None)
+                                  tuple(self.model_realized) if self.model_realized is not None else None,
+                                  self.lookup_share() if self.committed["all"] or self.carried_lookup_share is not None
+                                  else None)

@@ -221,7 +221,7 @@ class Generator:
                                   model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
                                   lookup_acceptance=learned.lookup_acceptance,
                                   lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0,
-                                  model_realized=learned.model_realized)
+                                  model_realized=learned.model_realized, lookup_share=learned.lookup_share)
         elif adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             alpha, observed = self.memory.acceptance_for(name)

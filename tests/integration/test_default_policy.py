@@ -163,3 +163,20 @@ def test_the_registry_and_the_bundle_default():
     assert "auto = the default" in OPTIONS["drafter"].help
     assert parse_config_name("auto-adaptive").drafter == "auto"
     assert AutoDrafter.name == "auto"
+
+
+def test_the_next_reply_starts_from_what_the_default_learned(drafted):
+    """What DefaultK carries across replies (through the Generator's SpeculationMemory), the lookup
+    share included, reaches the next reply's controller; forget_replies drops it."""
+    gen, plain = drafted
+    gen.forget_replies()
+    assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS).token_ids == plain
+    learned = gen.memory.learned_for("auto")
+    assert learned.lookup_share is not None and 0.0 <= learned.lookup_share <= 1.0
+    assert learned.budget_s is not None
+    controller = gen._drafter_and_controller(GenerationConfig())[1]
+    assert controller.carried_lookup_share == learned.lookup_share
+    assert controller.lookup_share() == pytest.approx(learned.lookup_share)
+    assert controller.budget_s == pytest.approx(max(learned.budget_s, 0.0))  # an overdraft is not carried
+    gen.forget_replies()
+    assert gen._drafter_and_controller(GenerationConfig())[1].carried_lookup_share is None

@@ -446,3 +446,39 @@ def test_a_draft_plan_is_checked():
         DraftPlan(1, "elsewhere")
     with pytest.raises(ValueError, match="k >= 0"):
         DraftPlan(-1)
+
+
+def test_a_catchup_is_weighed_against_the_tokens_the_model_would_serve_not_the_whole_reply():
+    """Where lookups commit most of a reply (tool-call JSON), the draft model's one-off catch-up is
+    repaid only by the rest: a catch-up that 40 model tokens would repay is not paid for 10."""
+    def controller(**carried):
+        return DefaultK(8, costs=measured_costs(), has_model=True, budget_s=0.5,
+                        model_acceptance=[0.9] * 8, model_observed=8, **carried)
+
+    alone = controller()
+    assert alone.choose(8, catchup_tokens=64, expected_remaining=40).source == MODEL_SOURCE
+    shared = controller(lookup_share=0.75)
+    assert shared.choose(8, catchup_tokens=64, expected_remaining=40) == PLAIN
+    assert shared.snapshot().catchup_deferred == 1
+    assert shared.choose(8, catchup_tokens=2, expected_remaining=40).source == MODEL_SOURCE  # no catch-up due
+
+
+def test_the_lookup_share_is_learned_per_token_and_carried_as_a_prior():
+    from specedge.runtime.costs import StepOutcome
+
+    fresh = DefaultK(8, costs=measured_costs(), has_model=True)
+    assert fresh.lookup_share() == 0.0 and fresh.snapshot().lookup_share is None  # no evidence yet
+    for _ in range(3):
+        fresh.observe(StepOutcome(4, 4, 3, 0.0, verify_s(5), lookup=True, offered=4, match=4))  # 4 tokens each
+    fresh.observe(StepOutcome(0, 0, 0, 0.0, STEP_S))  # plain: 1 token
+    fresh.observe(StepOutcome(2, 2, 2, 2 * DRAFT_S, verify_s(3)))  # the model: 3 tokens
+    fresh.observe(StepOutcome(1, 1, 1, 0.0, verify_s(2), lookup=True, offered=1, match=1))  # a guess: 2 tokens
+    assert fresh.lookup_share() == pytest.approx(12 / 18)  # a guess's position is the model's once it runs
+    carried = fresh.snapshot().lookup_share
+    nxt = DefaultK(8, costs=measured_costs(), has_model=True, lookup_share=carried)
+    assert nxt.lookup_share() == pytest.approx(carried)  # before this reply's first step: the carried share
+    for _ in range(DefaultK.SHARE_PRIOR_TOKENS):
+        nxt.observe(StepOutcome(0, 0, 0, 0.0, STEP_S))  # a reply without lookups outweighs it in time
+    assert nxt.lookup_share() == pytest.approx(carried / 2)
+    with pytest.raises(InvalidParameterError, match="lookup_share"):
+        DefaultK(8, costs=measured_costs(), has_model=True, lookup_share=1.5)
