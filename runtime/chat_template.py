@@ -46,6 +46,13 @@ _MAX_INT_BITS = 256
 # ~200 ns, so checking every 64th event keeps the overhead of the budget itself small.
 _CLOCK_EVERY = 64
 _TEMPLATE_FILENAME = "<template>"  # the filename Jinja gives code compiled from a string
+# Deepest nesting of calls (macros, methods, filters called from the template) a render may reach.
+# Real chat templates nest a macro call or two inside a loop; 100 is far beyond them. The bound is
+# the sandbox's own, not Python's recursion limit: each level runs ~6 Python frames through C-level
+# calls, and a process may have raised that limit (hypothesis does inside its tests, torch's
+# compilers do), so a template that recursed without end overflowed the C stack and crashed the
+# process (a segfault in a full test run) before any RecursionError.
+_MAX_CALL_DEPTH = 100
 
 
 class _MessagesRejected(Exception):
@@ -64,6 +71,7 @@ class _Budget:
         self.deadline = time.perf_counter() + seconds
         self.seconds = seconds
         self.events = 0
+        self.depth = 0  # calls from the template now running, nested
 
     def size(self, n: int, what: str) -> None:
         if n > self.chars:
@@ -154,7 +162,14 @@ def _sandbox_class():
                         and isinstance(args[0], str) and isinstance(args[1], str):
                     count = len(target) + 1 if not args[0] else target.count(args[0])
                     budget.size(len(target) + count * max(len(args[1]) - len(args[0]), 0), what)
-            return _check_result(super().call(__context, __obj, *args, **kwargs), what)
+                if budget.depth >= _MAX_CALL_DEPTH:
+                    raise RecursionError(f"calls nested {_MAX_CALL_DEPTH} deep")  # render() names it
+                budget.depth += 1
+            try:
+                return _check_result(super().call(__context, __obj, *args, **kwargs), what)
+            finally:
+                if budget is not None:
+                    budget.depth -= 1
 
     return BudgetedSandbox
 

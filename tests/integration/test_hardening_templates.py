@@ -72,6 +72,23 @@ def test_a_template_past_its_budget_or_rules_is_a_bundle_error(source, match):
     assert time.perf_counter() - started < RENDER_TIME_BUDGET_S + 3.0
 
 
+def test_a_recursing_template_is_refused_whatever_the_processs_recursion_limit():
+    """The sandbox bounds nested calls itself: with Python's recursion limit raised (hypothesis does inside
+    its tests), a macro that calls itself overflowed the C stack (a segfault in a full run) before any
+    RecursionError."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1_000_000)
+    try:
+        with pytest.raises(ChatTemplateError, match=r"recurses without end"):
+            _render("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+        # Nesting a real template's depth still renders.
+        assert _render("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{% endif %}x{% endmacro %}{{ f(20) }}") == "x" * 21
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def test_the_templates_own_rejection_is_the_callers_fault():
     with pytest.raises(InvalidParameterError, match=r"the chat template rejected these messages: roles alternate"):
         _render("{{ raise_exception('roles alternate') }}")
