@@ -1,6 +1,8 @@
-"""Interleaved A/B: DefaultK weighing a catch-up against the tokens the model would serve (new) vs the whole reply (old).
+"""Interleaved A/B of DefaultK (new) against a variant of it (old).
 
-Usage: python docs/results/2026-12-05-ab-lookup-share.py BUNDLE CATEGORIES PROMPTS ROUNDS
+Usage: python docs/results/2026-12-05-ab-lookup-share.py BUNDLE CATEGORIES PROMPTS ROUNDS [VARIANT]
+VARIANT (default lookup-share): lookup-share = a catch-up weighed against the whole reply (the rule before
+48a32cf); budget1024 = the exploration budget capped at 1024 plain steps instead of BUDGET_STEPS.
 Two Generators (one per variant, each with its own learned state); per round baseline, old, new (reversed
 on odd rounds); each variant keeps its own reply memory per round, as `specedge bench run` does. Not a test."""
 import sys, json, statistics as st, collections
@@ -11,11 +13,15 @@ from specedge.runtime.suffix import ReplyMemory
 from specedge.runtime.suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
 from specedge.bench.suite import load_suite
 
-class OldK(DefaultK):
+class WholeReplyK(DefaultK):
     def lookup_share(self):
         return 0.0
 
+class BigBudgetK(DefaultK):
+    BUDGET_STEPS = 1024
+
 bundle, cats, prompts, rounds = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
+OldK = {"lookup-share": WholeReplyK, "budget1024": BigBudgetK}[sys.argv[5] if len(sys.argv) > 5 else "lookup-share"]
 gens = {"old": G.Generator.from_bundle(bundle, threads=2), "new": G.Generator.from_bundle(bundle, threads=2)}
 for g in gens.values():
     g.warmup()

@@ -1,6 +1,6 @@
 """Trace DefaultK's per-step choices (budget, catch-up, best model k, realized rate, plan) on one bench workload.
 
-Usage: python docs/results/2026-12-05-trace-default.py BUNDLE [CATEGORY=chat] [ROUNDS=2]. Not a test."""
+Usage: python docs/results/2026-12-05-trace-default.py BUNDLE [CATEGORY=chat] [ROUNDS=2] [PROMPTS=2] [summary]\n(summary: one line per reply instead of every step). Not a test."""
 import sys, json, collections
 import numpy as np
 from specedge.runtime import generator as G, controller as C
@@ -39,7 +39,7 @@ gen = G.Generator.from_bundle(bundle, threads=2)
 gen.warmup()
 from specedge.runtime.options import GenerationConfig
 suite = load_suite()
-ws = suite.select([category], 2)
+ws = suite.select([category], int(sys.argv[4]) if len(sys.argv) > 4 else 2)
 from specedge.runtime.suffix import ReplyMemory
 from specedge.runtime.suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
 for r in range(rounds):
@@ -51,6 +51,12 @@ for r in range(rounds):
         steps = LOG[start:]
         kinds = collections.Counter((s["source"], s["k"] > 0) for s in steps)
         print(f"== round {r} {w.id}: {len(res.token_ids)} tokens, {len(steps)} steps, {dict(kinds)}")
+        model_steps = [i for i, s in enumerate(steps) if s["source"] == "model" and s["k"] > 0]
+        print("   budget at start", round(steps[0]["budget"], 3), "first model step", model_steps[:1],
+              "its catch-up", [steps[i]["catchup"] for i in model_steps[:1]], "model steps", len(model_steps),
+              "budget at end", round(steps[-1]["budget"], 3))
+        if len(sys.argv) > 5 and sys.argv[5] == "summary":
+            continue
         for i, s in enumerate(steps):
             def f(x): return round(x, 4) if isinstance(x, float) else x
             print(i, {k: f(v) for k, v in s.items()})
