@@ -1,6 +1,7 @@
 """Trace DefaultK's per-step choices (budget, catch-up, best model k, realized rate, plan) on one bench workload.
 
-Usage: python docs/results/2026-12-05-trace-default.py BUNDLE [CATEGORY=chat] [ROUNDS=2] [PROMPTS=2] [summary]\n(summary: one line per reply instead of every step). Not a test."""
+Usage: python docs/results/2026-12-05-trace-default.py BUNDLE [CATEGORY=chat] [ROUNDS=2] [PROMPTS=2] [summary]
+(summary: one line per reply instead of every step). Not a test."""
 import sys, json, collections
 import numpy as np
 from specedge.runtime import generator as G, controller as C
