@@ -143,6 +143,8 @@ class CostProfile:
     ``target_s``: verify length n (1 = a plain step, n = k + 1) -> seconds of one target forward.
     ``draft_token_s``: seconds of a 1-token draft step; ``draft_catchup_token_s``: seconds per
     token of a draft catch-up feed. Both None when the bundle has no draft model.
+    ``target_s[1]`` is the exact plain step (2 rows, engines/invariant.py); ``target_one_row_s`` the
+    bare 1-row step fast mode runs (None in profiles recorded before fast mode: then measured online).
     """
 
     machine: MachineFingerprint
@@ -150,8 +152,10 @@ class CostProfile:
     context: int = 0  # cached positions the steps were timed after
     draft_token_s: float | None = None
     draft_catchup_token_s: float | None = None
+    target_one_row_s: float | None = None
 
-    KEYS = ("machine", "context", "target_s", "draft_token_s", "draft_catchup_token_s")
+    OPTIONAL = ("draft_token_s", "draft_catchup_token_s", "target_one_row_s")
+    KEYS = ("machine", "context", "target_s") + OPTIONAL
 
     def usable(self, threads: int) -> bool:
         """Measured on this CPU with the same thread setting (else re-measured)."""
@@ -160,7 +164,7 @@ class CostProfile:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": self.machine.to_dict(), "context": self.context,
                                "target_s": {str(n): t for n, t in sorted(self.target_s.items())}}
-        for key in ("draft_token_s", "draft_catchup_token_s"):
+        for key in self.OPTIONAL:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -180,12 +184,12 @@ class CostProfile:
             target_s[int(n)] = finite(seconds, f"{where}.target_s.{n}", positive=True)
         if 1 not in target_s:
             raise ManifestError(f"manifest field '{where}.target_s' lacks '1' (the plain step every profile has)")
-        draft = {key: (finite(obj[key], f"{where}.{key}", positive=True) if obj.get(key) is not None else None)
-                 for key in ("draft_token_s", "draft_catchup_token_s")}
+        optional = {key: (finite(obj[key], f"{where}.{key}", positive=True) if obj.get(key) is not None else None)
+                    for key in cls.OPTIONAL}
         context = read_field(obj, "context", where, int, optional=True, default=0)
         if context < 0:
             raise ManifestError(f"manifest field '{where}.context' must be >= 0, got {context}")
-        return cls(machine=machine, target_s=target_s, context=context, **draft)
+        return cls(machine=machine, target_s=target_s, context=context, **optional)
 
 
 # --------------------------------------------------------------------------- export records

@@ -135,8 +135,8 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               help="Largest k; a verify step scores up to k+1 tokens.")
 @click.option("--block-size", type=int, default=None,
               help="Quantization block size (int4/int8). Default 32; with --tune, the one of 32/64/128 whose "
-              "exact step is fastest on this machine without lower greedy agreement with fp32 and whose plain "
-              "steps stay bit-identical to verify rows.")
+              "plain step is fastest on this machine without lower greedy agreement with fp32 (with --exact: "
+              "also keeping plain steps bit-identical to verify rows).")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="MatMulNBits compute precision: 4 = int8 activations (fastest step), 1 = fp32.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
@@ -151,15 +151,17 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--trt-precision", type=click.Choice(BUILD_PRECISIONS), default="fp16", show_default=True,
               help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Measure this machine: for an int4/int8 target (and draft) without "
-              "--block-size, quantize at block 32, 64 and 128 and keep the fastest that agrees with fp32 as often as "
-              "block 32 and, for the target, keeps exact steps (a few minutes more); then time draft/target steps and "
+              "--block-size, quantize at block 32, 64 and 128 and keep the one whose 1-row step is fastest and that "
+              "agrees with fp32 as often as block 32 (a few minutes more); then time draft/target steps and "
               "v(k) and record the cost profile, so the "
               "adaptive controller starts informed. Both records name this machine (`specedge info`).")
+@click.option("--exact", is_flag=True, help="For bundles run in exact mode (`--exact` at generation): --tune times "
+              "exact 2-row plain steps and keeps only a layout whose plain steps equal verify rows bit for bit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, trust_pickle, engine, trt_route, trt_precision, tune, overwrite, quiet,
+           accuracy_level, attention, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
            as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
@@ -177,7 +179,7 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         target=target, out=out, draft=draft, precision=precision, draft_precision=draft_precision,
         draft_layers=draft_layers, draft_vocab=draft_vocab,
         max_context=max_context, max_draft_tokens=max_draft_tokens,
-        block_size=32 if block_size is None else block_size, tune_block_size=tune and block_size is None,
+        block_size=32 if block_size is None else block_size, tune_block_size=tune and block_size is None, exact=exact,
         accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
         quiet=quiet))
     if engine == "tensorrt":

@@ -56,6 +56,9 @@ class ExportConfig:
     # one that steps fastest on this machine without losing greedy agreement with fp32 (nor, for a
     # target, exact steps); block_size is then unused.
     tune_block_size: bool = False
+    # --exact: tuning times exact 2-row steps and keeps only layouts whose plain steps equal verify rows
+    # (what GenerationConfig(exact=True) needs); off, it times 1-row steps, as fast mode runs them.
+    exact: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
 
     def __post_init__(self) -> None:
@@ -219,7 +222,7 @@ class _ModelExporter:
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                                       src_entry.max_context)
         tuning = tune_block_size(candidates, src_entry, src_graph, prompts, max_verify=cfg.max_draft_tokens + 1,
-                                 threads=cfg.tune_threads, role=role, progress=self.progress)
+                                 threads=cfg.tune_threads, role=role, exact=cfg.exact, progress=self.progress)
         self.quant_tuning[role] = tuning
         measured = "; ".join(f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
                              f"{c.greedy_agreement:.3f}{'' if c.bit_identical or not tuning.exact_required else ', NOT exact'}"
@@ -357,7 +360,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
         if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
-                  "a verify row; speculative greedy output may differ from plain decoding at near ties",
+                  "a verify row, so exact mode (--exact) will refuse this bundle; fast mode runs it as usual",
                   file=sys.stderr)
         draft = None
         head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,

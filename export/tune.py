@@ -5,8 +5,9 @@ block 128 gave the fastest step, docs/results/2026-12-02-qwen-variants*.md), whi
 block may cost greedy agreement with the full-precision model. So the exporter quantizes the
 validated fp32 graph at each candidate block size and measures, for each:
 
-* **the exact plain step**: a 1-token step through :class:`~specedge.engines.invariant.
-  BatchInvariantEngine` (2 rows, what plain decoding pays per token, engines/invariant.py) at
+* **the plain step** as the bundle will run it: 1 row (fast mode, the runtime's default), or with
+  ``export --exact`` a 1-token step through :class:`~specedge.engines.invariant.BatchInvariantEngine`
+  (2 rows, what exact plain decoding pays per token, engines/invariant.py), at
   ``TIMING_CONTEXT`` cached positions, and a 5-token verify, as medians over repetitions that
   rotate through the candidates (so drift on a shared machine hits them alike);
 * **greedy agreement with fp32**: the fp32 graph decodes greedily from a few fixed prompts,
@@ -19,8 +20,8 @@ validated fp32 graph at each candidate block size and measures, for each:
   exact steps, so speculation could have differed from plain decoding at near ties.
 
 The rule (:func:`choose`): among candidates whose agreement is at least the finest block's
-(the untuned default) and that are exact wherever the default is, the one with the fastest
-exact step, if it beats the default's by more than ``MIN_GAIN``; otherwise the default. The
+(the untuned default) and, with ``--exact``, that are exact wherever the default is, the one with the
+fastest step, if it beats the default's by more than ``MIN_GAIN``; otherwise the default. The
 measurements and the choice go into the manifest (``extra.quant_tuning``) with the machine they
 were taken on; ``specedge info`` says when a bundle was tuned elsewhere (it still runs there: a
 block size is only a speed choice).
@@ -203,11 +204,13 @@ def exact_everywhere(candidate: Candidate, max_verify: int) -> bool:
 
 def tune_block_size(candidates: list[Candidate], reference_entry: ModelEntry, reference_graph: Path,
                     prompts: list[np.ndarray], *, max_verify: int, threads: int = 0, role: str = "target",
-                    progress: Callable[[str], None] = lambda _: None) -> QuantTuning:
+                    exact: bool = False, progress: Callable[[str], None] = lambda _: None) -> QuantTuning:
     """Measure every candidate (module docstring) and return the record with the choice;
-    ``max_verify``: the bundle's largest verify (max_draft_tokens + 1); ``role``: "target" (exact 2-row
-    steps, exactness required) or "draft" (1-row steps; exactness measured but not required)."""
-    exact_role = role == "target"
+    ``max_verify``: the bundle's largest verify (max_draft_tokens + 1); ``role``: "target" or "draft";
+    ``exact`` (a target exported with ``--exact``): time exact 2-row steps and require exactness wherever
+    the default block has it. Otherwise 1-row steps, as fast mode and every draft run them; exactness is
+    then measured and recorded (exact mode refuses a target without it) but not required."""
+    exact_role = role == "target" and exact
     progress("tune: fp32 greedy reference")
     references = greedy_references(reference_entry, reference_graph, prompts)
     agreement, exact = {}, {}

@@ -99,10 +99,18 @@ class CostModel:
 
     # --- persistence -------------------------------------------------------------
     @classmethod
-    def from_profile(cls, profile: CostProfile, *, uses_draft_model: bool = True) -> "CostModel":
+    def from_profile(cls, profile: CostProfile, *, uses_draft_model: bool = True, exact: bool = True) -> "CostModel":
         """From a recorded profile (``specedge tune``). ``uses_draft_model=False``: a drafter that
-        runs no model (prompt lookup) costs microseconds per token and never catches up."""
-        model = cls(dict(profile.target_s), profile.draft_token_s, profile.draft_catchup_token_s)
+        runs no model (prompt lookup) costs microseconds per token and never catches up.
+        ``exact=False``: plain steps run one row, so a plain step costs the profile's 1-row step (a
+        profile without one leaves it to the first plain step to measure; until then it is
+        extrapolated from the verify lengths)."""
+        target_s = dict(profile.target_s)
+        if not exact:
+            target_s.pop(1, None)
+            if profile.target_one_row_s is not None:
+                target_s[1] = profile.target_one_row_s
+        model = cls(target_s, profile.draft_token_s, profile.draft_catchup_token_s)
         if not uses_draft_model:
             model.draft_token_s = model.draft_catchup_token_s = 0.0
         return model
@@ -234,6 +242,9 @@ def measure(target, draft=None, *, max_verify: int = 9, context: int = 128, thre
         if name == "target":
             for n in range(1, max_verify + 1):
                 out["target_s"][n] = median_forward(engine, kv, ids[ctx:ctx + n])
+            # The batch-invariant wrapper's plain step runs 2 rows; fast mode's runs the bare engine's 1.
+            bare = getattr(engine, "inner", engine)
+            out["target_one_row_s"] = median_forward(bare, kv, ids[ctx:ctx + 1])
         else:
             out["draft_token_s"] = median_forward(engine, kv, ids[ctx:ctx + 1])
             # A catch-up feed (the draft's deferred prefill, bounded by the draft window) costs

@@ -216,7 +216,7 @@ class Generator:
             # The default policy: per step the source expected fastest (lookup, model, plain), on a budget.
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             learned = self.memory.learned_for(name)
-            controller = DefaultK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
+            controller = DefaultK(max_k, costs=self.memory.costs_for(name, exact=config.exact, uses_model=has_model),
                                   has_model=has_model, start_k=config.draft_tokens or spec.draft_tokens,
                                   model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
                                   lookup_acceptance=learned.lookup_acceptance,
@@ -225,7 +225,7 @@ class Generator:
         elif adaptive:
             max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
             alpha, observed = self.memory.acceptance_for(name)
-            controller = AdaptiveK(max_k, costs=self.memory.costs_for(name, uses_model=has_model),
+            controller = AdaptiveK(max_k, costs=self.memory.costs_for(name, exact=config.exact, uses_model=has_model),
                                    start_k=config.draft_tokens or spec.draft_tokens, acceptance=alpha,
                                    observed=observed)
         else:
@@ -298,6 +298,8 @@ class Generator:
                 cache.reset()
                 engine.forward(np.asarray(ids, np.int64), cache, 1)
                 engine.forward(np.asarray(ids[:1], np.int64), cache, 1)
+                if engine is self.target:  # fast mode's plain step: the bare engine's 1-row shape
+                    self.target.inner.forward(np.asarray(ids[:1], np.int64), cache, 1)
                 engine.forward(np.asarray(ids[: k + 1], np.int64), cache, k + 1)
             slot.drop()  # what warm-up wrote is no conversation
             if tune and self.memory.profile is None:
@@ -315,7 +317,22 @@ class Generator:
                 raise InvalidParameterError(f"unknown generation parameter(s) {sorted(unknown)}; known: "
                                             f"{', '.join(GenerationConfig.__dataclass_fields__)}")
             config = replace(config, **overrides)
+        if config.exact:
+            self._check_exact()
         return config
+
+    def _check_exact(self) -> None:
+        """Exact mode needs a target whose 2-row plain steps equal its verify rows bit for bit; export
+        checks that on its machine (``extra.exact_steps``). A target recorded without it is refused by
+        name rather than silently losing the guarantee (older bundles without the record run)."""
+        record = self.manifest.extra.exact_steps.get("target")
+        if record is not None and not record.bit_identical:
+            raise InvalidParameterError(
+                "exact=True: this bundle's target is not row-invariant (on the machine it was exported on, its "
+                "2-row plain steps differed from verify rows: manifest extra.exact_steps.target.bit_identical is "
+                "false), so exact mode could not keep greedy output token-identical to plain decoding. Re-export "
+                "with `specedge export --exact` (with --tune it keeps only a row-invariant layout) or with the "
+                "default --block-size 32, or run without exact")
 
     def _start(self, ids: list[int], config: GenerationConfig, cancel: threading.Event | None
                ) -> tuple[GenerationResult, Iterator[str]]:
@@ -345,7 +362,7 @@ class Generator:
         with self._exclusive():
             slot, reuse = self.slots.acquire(ids, config.exact, reuse=config.reuse_prefix)
             drafter = None if drafter_name is None else self._build_drafter(drafter_name, config, slot)
-            # Exact (default): the batch-invariant target, whose plain steps take the verify's kernels.
+            # Exact: the batch-invariant target, whose plain steps take the verify's kernels; fast (default): 1 row.
             target = self.target if config.exact else self.target.inner
             blocks = loop.run(target, slot.target_kv, np.asarray(ids, np.int64),
                               max_new_tokens=config.max_new_tokens, eos_token_ids=self.eos_token_ids,
@@ -354,7 +371,7 @@ class Generator:
                               max_latency_s=config.max_latency_s,
                               horizon=self.memory.reply_lengths.expected_remaining,
                               costs=None if drafter is None else self.memory.costs_for(
-                                  drafter.name, uses_model=uses_draft_model(drafter.name, self.draft is not None)),
+                                  drafter.name, exact=config.exact, uses_model=uses_draft_model(drafter.name, self.draft is not None)),
                               reuse=reuse)
             failed = True
             try:
@@ -491,7 +508,7 @@ class Generator:
                                      draft_tokens, slot.draft_kv)
         return {"path": str(path), "tokens": len(ids), "draft_tokens": len(draft_tokens), "bytes": size}
 
-    def load_prompt_cache(self, path: str | Path, *, exact: bool = True) -> dict:
+    def load_prompt_cache(self, path: str | Path, *, exact: bool = False) -> dict:
         """Load a prefix saved by :meth:`save_prompt_cache` into a free (or the least recently
         used) conversation slot; a request starting with that prefix then prefills only the rest.
 
@@ -500,6 +517,8 @@ class Generator:
         (``exact``: the setting requests will run with) or runtime; the message names the field.
         Returns ``{"tokens", "draft_tokens", "token_ids"}`` (the prefix held).
         """
+        if exact:
+            self._check_exact()
         with self._exclusive():
             slot, _ = self.slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
             loaded = prompt_cache.load(path, self._prompt_cache_key(exact), slot.target_kv, slot.draft_kv,

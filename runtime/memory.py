@@ -30,20 +30,22 @@ class SpeculationMemory:
 
     def __init__(self, profile: CostProfile | None = None) -> None:
         self.profile = profile  # the measured cost profile new CostModels start from (None: from scratch)
-        self.costs: dict[str, CostModel] = {}
+        self.costs: dict[tuple[str, bool], CostModel] = {}  # (drafter, exact) -> its step costs
         self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
         self.learned: dict[str, ControllerSnapshot] = {}  # drafter -> its controller's last snapshot
         self.reply_lengths = ReplyLengths()
         self.replies = ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS)  # earlier replies' tokens
 
-    def costs_for(self, drafter: str, *, uses_model: bool | None = None) -> CostModel:
+    def costs_for(self, drafter: str, *, exact: bool, uses_model: bool | None = None) -> CostModel:
         """The drafter's learned step costs, kept across calls (created from the profile on first use).
-        ``uses_model``: whether it runs a draft model here (default: whether it needs one)."""
-        costs = self.costs.get(drafter)
+        ``exact``: plain steps run 2 rows (exact mode) or 1; the two are priced apart, since a plain
+        step's cost is what every speculative step is weighed against. ``uses_model``: whether it runs
+        a draft model here (default: whether it needs one)."""
+        costs = self.costs.get((drafter, exact))
         if costs is None:
             uses_model = needs_draft_model(drafter) if uses_model is None else uses_model
-            costs = self.costs[drafter] = (
-                CostModel.from_profile(self.profile, uses_draft_model=uses_model)
+            costs = self.costs[(drafter, exact)] = (
+                CostModel.from_profile(self.profile, uses_draft_model=uses_model, exact=exact)
                 if self.profile is not None else CostModel())
         return costs
 

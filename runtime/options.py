@@ -167,10 +167,6 @@ class GenerationConfig:
         "the draft little. Output is unchanged; only acceptance can drop. 0 = read everything.", int,
         low=ModelDrafter.SINK_TOKENS, low_open=True, high=MAX_CONTEXT, nullable=True, zero_is_none=True,
         server=True)
-    # Every target forward runs >= 2 rows (engines/invariant.py), so a plain step and a verify row
-    # take the same kernels and greedy speculation equals plain decoding token for token. False:
-    # 1-row plain steps, faster on int4 CPU bundles (a 2-row step costs 1.2-1.4x there, measured on a
-    # 2-core AVX2 EPYC), but the two paths' logits differ in the low bits and near ties can flip.
     # A conversation's next call reuses the K/V its slot holds for the longest common prefix
     # (runtime/slots.py): the reply is the cold reply, only its prefill is shorter.
     reuse_prefix: bool = option(True, "Prefill the whole prompt even when a conversation slot holds its "
@@ -180,8 +176,18 @@ class GenerationConfig:
     # every conversation): speed only, the tokens are unchanged. Off: it neither reads nor records them.
     reply_memory: bool = option(True, "Do not draft from (or remember) earlier replies (the suffix drafter's "
                                 "cross-reply memory).", bool, cli=("--no-reply-memory",), invert=True, server=True)
-    exact: bool = option(True, "1-row plain steps: faster on int4 CPU bundles, but greedy speculation may then "
-                         "differ from plain decoding at near ties.", bool, cli=("--inexact-steps",), invert=True)
+    # Fast by default: plain steps run one row, as ONNX Runtime GenAI and llama.cpp run them. A verify
+    # row then goes through other kernels than a 1-row step (a GEMM, not a GEMV), so greedy speculative
+    # output may differ from plain decoding where the target's top-2 logits nearly tie (below the
+    # bundle's near-tie gap, runtime/verify.py). Exact: every target forward runs >= 2 rows
+    # (engines/invariant.py), plain steps and verify rows compute the same bits and greedy output
+    # equals plain decoding token for token; its price is the second row of every plain step (a 2-row
+    # step costs 1.2-1.4x a 1-row one on int4 CPU bundles, about 1.05x on fp32: 2-core AVX2 and
+    # AVX-512 EPYCs, docs/results). Sampling keeps the target's distribution either way.
+    exact: bool = option(False, "Token-identical greedy output: every plain step runs 2 rows so it takes the "
+                         "verify's kernels (costs 1.2-1.4x a plain step on int4 CPU bundles, ~1.05x on fp32). "
+                         "Off: 1-row plain steps; greedy speculation then equals plain decoding up to near "
+                         "ties of the target's top-2 logits.", bool, server=True)
 
     def __post_init__(self) -> None:
         for name in OPTIONS:

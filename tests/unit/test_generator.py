@@ -116,7 +116,10 @@ def test_prefill_ahead_leaves_only_the_new_tokens_to_compute(gen):
 
 def test_exact_and_one_row_slots_are_not_mixed(gen):
     gen.generate(input_ids=PROMPT_IDS, max_new_tokens=8, exact=False)
-    again = gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8)
+    again = gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8, exact=True)
+    assert again.stats.reused_tokens == 0
+    gen.generate(input_ids=PROMPT_IDS, max_new_tokens=8, exact=True)
+    again = gen.generate(input_ids=PROMPT_IDS + [40], max_new_tokens=8)  # the default: fast, 1-row steps
     assert again.stats.reused_tokens == 0
 
 
@@ -183,9 +186,13 @@ def test_warmup_and_tune_measure_costs_and_change_no_output(gen):
     before = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=24, **SPEC).token_ids
     gen.warmup(tune=True)
     assert gen.cost_profile is not None
-    costs = gen.memory.costs_for("model")  # the CostModel new replies start from: the measured profile
+    costs = gen.memory.costs_for("model", exact=True)  # what new replies start from: the measured profile
     assert set(costs.target_s) == set(range(1, 10)) and all(t > 0 for t in costs.target_s.values())
     assert costs.draft_token_s > 0 and costs.draft_catchup_token_s > 0
+    # Fast mode prices its plain step at the profile's 1-row step, the rest alike.
+    fast = gen.memory.costs_for("model", exact=False)
+    assert fast.target_s[1] == gen.cost_profile.target_one_row_s > 0
+    assert {n: t for n, t in fast.target_s.items() if n > 1} == {n: t for n, t in costs.target_s.items() if n > 1}
     assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=24, **SPEC).token_ids == before
     assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=24).token_ids == before  # adaptive, on the profile
 
