@@ -1,7 +1,7 @@
 """Invariant: specedge's baseline loop is transformers' greedy decoding, token for token.
 
-With speculation off, ``Generator.generate`` must emit exactly the tokens of
-``model.generate(do_sample=False)`` for every supported architecture; stop after
+With speculation off, ``Generator.generate`` in exact mode (the 2-row steps the oracle validated)
+must emit exactly the tokens of ``model.generate(do_sample=False)`` for every supported architecture; stop after
 EOS with finish_reason "stop"; stop at max_new_tokens (or max_context) with
 "length"; render chat prompts as transformers does; and stream deltas that add
 up to the final text. A Generator reuses its caches, so repeated calls must not
@@ -36,7 +36,7 @@ def test_baseline_greedy_equals_transformers_generate(arch, arch_bundle, load_ge
     expected = hf_reference(arch)
     assert len(expected) == N_TOKENS, "the fixture seed was chosen so that greedy meets no EOS"
     result = load_generator(arch_bundle(arch)).generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS,
-                                                        speculation=False)
+                                                        speculation=False, exact=True)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
     assert result.prompt_ids == PROMPT_IDS
@@ -57,7 +57,7 @@ def test_chat_prompt_renders_and_decodes_like_transformers(arch, tiny_model, arc
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     gen = load_generator(arch_bundle(arch))
     assert gen.encode_prompt(messages=messages) == list(hf_ids)
-    result = gen.generate(messages=messages, max_new_tokens=24, speculation=False)
+    result = gen.generate(messages=messages, max_new_tokens=24, speculation=False, exact=True)
     assert result.token_ids == hf_greedy(load_hf(folder), list(hf_ids), 24)
     # A plain string prompt is wrapped as one user message.
     single = [{"role": "user", "content": "w010 w011"}]
@@ -67,7 +67,7 @@ def test_chat_prompt_renders_and_decodes_like_transformers(arch, tiny_model, arc
 
 @pytest.mark.parametrize("n", [1, 2, 7, 31])
 def test_max_new_tokens_is_respected(n, llama_bundle, load_generator, hf_reference):
-    result = load_generator(llama_bundle).generate(input_ids=PROMPT_IDS, max_new_tokens=n, speculation=False)
+    result = load_generator(llama_bundle).generate(input_ids=PROMPT_IDS, max_new_tokens=n, speculation=False, exact=True)
     assert result.token_ids == hf_reference("llama")[:n]
     assert result.finish_reason == "length"
     assert result.stats.new_tokens == n == len(result.stats.token_times_s)
@@ -91,7 +91,7 @@ def test_stops_at_the_eos_the_exporter_read_from_the_config(tiny_model, export, 
     bundle = export(folder)
     gen = load_generator(bundle)
     assert eos in gen.manifest.target.eos_token_ids
-    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False)
+    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True)
     assert result.token_ids == expected
     assert result.token_ids[-1] == eos
     assert result.finish_reason == "stop"
@@ -103,7 +103,7 @@ def test_stops_at_the_eos_the_exporter_read_from_the_config(tiny_model, export, 
 def test_eos_exactly_at_max_new_tokens_is_a_stop(tiny_model, export, load_generator, hf_reference):
     eos, pos = _first_new_token_after(hf_reference("llama"), 5)
     gen = load_generator(export(tiny_model("llama", eos_id=eos)))
-    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=pos + 1, speculation=False)
+    result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=pos + 1, speculation=False, exact=True)
     assert result.token_ids[-1] == eos and len(result.token_ids) == pos + 1
     assert result.finish_reason == "stop"
 
@@ -111,7 +111,7 @@ def test_eos_exactly_at_max_new_tokens_is_a_stop(tiny_model, export, load_genera
 def test_generation_ends_at_max_context_with_length(llama_bundle, load_generator, tiny_model):
     prompt = [(7 * i) % 290 + 6 for i in range(MAX_CONTEXT - 16)]
     gen = load_generator(llama_bundle)
-    result = gen.generate(input_ids=prompt, max_new_tokens=100, speculation=False)
+    result = gen.generate(input_ids=prompt, max_new_tokens=100, speculation=False, exact=True)
     assert result.finish_reason == "length"
     assert "max_context" in result.message
     assert 0 < len(result.token_ids) <= MAX_CONTEXT - len(prompt)
@@ -134,8 +134,8 @@ def test_streaming_deltas_concatenate_to_the_final_text(llama_bundle, load_gener
 
 def test_repeated_calls_do_not_leak_state(llama_bundle, load_generator, hf_reference):
     gen = load_generator(llama_bundle)
-    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=20, speculation=False).token_ids
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=20, speculation=False, exact=True).token_ids
     gen.generate(input_ids=[50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63], max_new_tokens=30,
-                 speculation=False)
-    again = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=20, speculation=False).token_ids
+                 speculation=False, exact=True)
+    again = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=20, speculation=False, exact=True).token_ids
     assert first == again == hf_reference("llama")[:20]

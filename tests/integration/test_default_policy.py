@@ -1,6 +1,6 @@
 """The default policy (drafter ``auto`` + controller ``DefaultK``) on exported tiny bundles: same tokens.
 
-Guards: greedy output equals plain decoding at every k and mode, with and without a draft
+Guards: in exact mode, greedy output equals plain decoding at every k and mode, with and without a draft
 model, with and without cross-reply memory (which changes speed, never tokens), and when the
 source changes every step (draft model, lookup, guess, plain: each catches up on the others); sampling
 keeps the target's distribution (chi-square); the bundle default is ``auto``, lookup-only on
@@ -31,7 +31,7 @@ N_TOKENS = 40
 def drafted(self_spec_bundle):
     """Target + draft (the same weights: the model pays); a private Generator and its plain output."""
     gen = Generator.from_bundle(self_spec_bundle, threads=1)
-    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True).token_ids
 
 
 @pytest.mark.parametrize("options", [
@@ -44,7 +44,7 @@ def drafted(self_spec_bundle):
 def test_greedy_equals_plain_decoding_with_a_draft_model(options, drafted):
     gen, plain = drafted
     for _ in range(3):  # later calls draft from earlier replies too, and carry the budget
-        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=True, **options)
         assert result.token_ids == plain
         stats = result.stats
         assert stats.drafter == "auto" and stats.accepted <= stats.drafted
@@ -56,7 +56,7 @@ def test_greedy_equals_plain_decoding_with_a_draft_model(options, drafted):
 def lookup_only(arch_bundle):
     """The tiny gpt2 target (no draft model) loops on a few tokens: lookups find long matches."""
     gen = Generator.from_bundle(arch_bundle("gpt2"), threads=1)
-    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
+    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True).token_ids
 
 
 @pytest.mark.parametrize("options", [
@@ -67,7 +67,7 @@ def test_without_a_draft_model_the_default_is_the_lookup_and_equals_plain(option
     gen, plain = lookup_only
     assert gen.manifest.speculation.drafter == "auto" and gen.draft is None
     for _ in range(2):
-        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, **options)
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=True, **options)
         assert result.token_ids == plain and result.stats.drafter == "auto"
         assert result.stats.catchup_tokens == 0  # no model ever ran
     assert result.stats.accepted > 0  # the looping reply was drafted from
@@ -75,10 +75,10 @@ def test_without_a_draft_model_the_default_is_the_lookup_and_equals_plain(option
 
 def test_cross_reply_memory_changes_speed_never_tokens(llama_bundle):
     gen = Generator.from_bundle(llama_bundle, threads=1)
-    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False).token_ids
-    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
-    second = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4)
-    off = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, reply_memory=False)
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True).token_ids
+    first = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, exact=True)
+    second = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, exact=True)
+    off = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, draft_tokens=4, reply_memory=False, exact=True)
     assert first.token_ids == second.token_ids == off.token_ids == plain
     assert second.stats.accepted > first.stats.accepted  # drafted from the first reply
     assert off.stats.accepted == first.stats.accepted  # without memory: as the first call
@@ -121,7 +121,7 @@ def test_switching_sources_every_step_equals_plain_decoding(sampling_pair):
     output is still plain decoding's."""
     gen = sampling_pair
     prompt = [3, 5, 3, 5, 3, 5, 7]
-    plain = gen.generate(input_ids=prompt, max_new_tokens=40, speculation=False).token_ids
+    plain = gen.generate(input_ids=prompt, max_new_tokens=40, speculation=False, exact=True).token_ids
     draft = DraftModel(gen.draft, gen.draft.new_cache(), gen.draft_head_ids, gen.manifest.target.vocab_size)
     drafter = auto_drafter.build(GenerationConfig(), draft, None)
     controller = CyclingSources()
@@ -170,7 +170,7 @@ def test_the_next_reply_starts_from_what_the_default_learned(drafted):
     share included, reaches the next reply's controller; forget_replies drops it."""
     gen, plain = drafted
     gen.forget_replies()
-    assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS).token_ids == plain
+    assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=True).token_ids == plain
     learned = gen.memory.learned_for("auto")
     assert learned.lookup_share is not None and 0.0 <= learned.lookup_share <= 1.0
     assert learned.budget_s is not None

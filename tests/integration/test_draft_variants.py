@@ -3,7 +3,7 @@
 Guards: the exporter validates both variants against PyTorch (first N layers, head
 columns); the manifest records head_size/head_tokens and refuses inconsistent
 ones; proposals stay inside the head's token subset; greedy output equals plain
-greedy; with sampling, p_draft is zero outside the subset and sums to 1 (so the
+greedy (exact mode); with sampling, p_draft is zero outside the subset and sums to 1 (so the
 rejection rule stays exact).
 """
 
@@ -47,9 +47,9 @@ def test_manifest_records_the_variant(bundle):
 
 def test_greedy_output_unchanged_and_proposals_inside_head(bundle):
     g = Generator.from_bundle(bundle)
-    plain = g.generate(input_ids=PROMPT, max_new_tokens=40, speculation=False).token_ids
+    plain = g.generate(input_ids=PROMPT, max_new_tokens=40, speculation=False, exact=True).token_ids
     for k in (1, 3, 6):
-        assert g.generate(input_ids=PROMPT, max_new_tokens=40, draft_tokens=k).token_ids == plain
+        assert g.generate(input_ids=PROMPT, max_new_tokens=40, draft_tokens=k, exact=True).token_ids == plain
     drafter = ModelDrafter(g.draft, SamplingConfig(), head_ids=g.draft_head_ids,
                            vocab_size=g.manifest.target.vocab_size)
     drafter.begin(np.array(PROMPT))

@@ -5,7 +5,7 @@ Guards:
   contiguous positions, and its proposals equal a fresh draft run on that sequence;
 - a bridge after plain steps keeps everything the cache already held as its head, and a
   rejection inside the bridged tail rewinds to the right token;
-- greedy output with a tiny window equals plain greedy (fixed k and adaptive), and the
+- greedy output with a tiny window equals plain greedy in exact mode (fixed k and adaptive), and the
   catch-up never feeds more than the window;
 - sampling with a window keeps the target's distribution (chi-square homogeneity);
 - an invalid window is refused with a clear message before anything runs;
@@ -114,7 +114,7 @@ def test_a_second_gap_replaces_the_first_tail(gen):
 
 @pytest.fixture(scope="module")
 def baseline(gen):
-    tokens = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False).token_ids
+    tokens = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False, exact=True).token_ids
     assert len(tokens) == 40
     return tokens
 
@@ -123,7 +123,7 @@ def baseline(gen):
 def test_windowed_greedy_equals_plain(gen, baseline, draft_tokens):
     # A cold start: with the slot's draft cache kept, a repeated prompt would need no catch-up at all.
     out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=draft_tokens,
-                       draft_window=8, reuse_prefix=False)
+                       draft_window=8, reuse_prefix=False, exact=True)
     assert out.token_ids == baseline
     if draft_tokens is not None:  # fixed k: one catch-up, at the first propose
         assert 0 < out.stats.catchup_tokens <= 8
@@ -137,10 +137,10 @@ def test_windowed_self_speculation_still_accepts_most_tokens(tmp_path_factory):
     target = build_model(root / "t", "llama", seed=11)
     export_bundle(ExportConfig(target=str(target), draft=str(target), out=root / "b", max_context=256, quiet=True))
     g = Generator.from_bundle(root / "b")
-    plain = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False).token_ids
-    full = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=4, draft_window=None)
+    plain = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, speculation=False, exact=True).token_ids
+    full = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=4, draft_window=None, exact=True)
     windowed = g.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=4, draft_window=8,
-                         reuse_prefix=False)  # a cold draft: what the window bounds
+                         reuse_prefix=False, exact=True)  # a cold draft: what the window bounds
     assert full.token_ids == plain == windowed.token_ids
     assert full.stats.acceptance == 1.0
     assert full.stats.catchup_tokens == len(LONG_PROMPT) + 1  # the prompt and the prefill's token
@@ -172,9 +172,10 @@ def test_a_catchup_that_cannot_pay_off_never_runs_the_draft(gen, baseline):
         # A nearly flat verify and a free draft step (speculation pays from the first step at the
         # prior acceptance), but a catch-up token costs 1 s.
         flat = {n: 0.001 * (1 + 0.05 * (n - 1)) for n in range(1, 10)}
-        gen.memory.costs["model"] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
+        # (keyed by drafter and mode: the calls below run in exact mode)
+        gen.memory.costs[("model", True)] = CostModel(flat, draft_token_s=1e-5, draft_catchup_token_s=1.0)
         out = gen.generate(input_ids=LONG_PROMPT, max_new_tokens=40, drafter="model", draft_tokens=None,
-                           adaptive=True, reuse_prefix=False)  # the draft starts empty: its catch-up is the window
+                           adaptive=True, reuse_prefix=False, exact=True)  # the draft starts empty: its catch-up is the window
         assert out.token_ids == baseline
         assert out.stats.drafted == 0 and out.stats.catchup_tokens == 0
         assert out.stats.catchup_deferred > 0

@@ -1,7 +1,7 @@
-"""Invariant: on a quantized (int4) bundle, default speculative greedy output equals plain greedy
-decoding token for token, for every prompt and every k, near ties included.
+"""Invariant: on a quantized (int4) bundle, exact-mode (``exact=True``) speculative greedy output
+equals plain greedy decoding token for token, for every prompt and every k, near ties included.
 
-It holds because every target forward runs >= 2 rows (engines/invariant.py): a plain step and
+It holds because in exact mode every target forward runs >= 2 rows (engines/invariant.py): a plain step and
 a verify row then take the same kernels, so their logits AND the K/V they write are
 bit-identical. The engine-level tests pin that bit-equality; the generation-level tests pin
 the promise on prompts that hit near ties (top-2 logit gaps below the graph's measured
@@ -87,8 +87,8 @@ def _assert_speculation_equals_plain(gen, **spec) -> int:
     """Every prompt: speculative greedy == plain greedy. Returns the near ties met on the way."""
     near_ties = 0
     for prompt in PROMPTS:
-        plain = gen.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, speculation=False, chat=False)
-        out = gen.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, chat=False, **spec)
+        plain = gen.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, speculation=False, chat=False, exact=True)
+        out = gen.generate(input_ids=prompt, max_new_tokens=NEW_TOKENS, chat=False, exact=True, **spec)
         assert out.token_ids == plain.token_ids, f"prompt {prompt}: {spec} diverged from plain decoding"
         near_ties += plain.stats.near_ties
     return near_ties
@@ -128,9 +128,10 @@ def test_a_cache_written_elsewhere_is_refused(int4_self):
 def test_context_end_is_exact(int4_self):
     """The last position of the cache is computed as in a verify too (no slot past the end needed)."""
     prompt = PROMPTS[5]
-    plain = int4_self.generate(input_ids=prompt, max_new_tokens=MAX_CONTEXT, speculation=False, chat=False)
+    plain = int4_self.generate(input_ids=prompt, max_new_tokens=MAX_CONTEXT, speculation=False, chat=False,
+                               exact=True)
     spec = int4_self.generate(input_ids=prompt, max_new_tokens=MAX_CONTEXT, chat=False, drafter="model",
-                              draft_tokens=4, adaptive=False)
+                              draft_tokens=4, adaptive=False, exact=True)
     assert spec.token_ids == plain.token_ids
     assert len(prompt) + len(plain.token_ids) == MAX_CONTEXT or plain.finish_reason == "stop"
 
@@ -141,9 +142,9 @@ def test_the_bundle_records_that_exact_steps_hold_and_what_they_cost(int4_self):
     assert record.two_row_step_cost > 0 and record.one_row_step_ms > 0
 
 
-def test_inexact_plain_decoding_is_still_deterministic(int4_self):
-    """exact=False (1-row steps) is plain decoding through the bare engine: repeatable, just not
-    guaranteed equal to speculation at near ties."""
-    runs = [int4_self.generate(input_ids=PROMPTS[3], max_new_tokens=NEW_TOKENS, speculation=False, exact=False,
+def test_default_fast_plain_decoding_is_still_deterministic(int4_self):
+    """The default (fast mode: 1-row steps) is plain decoding through the bare engine: repeatable,
+    just not guaranteed equal to speculation at near ties (tests/integration/test_fast_mode.py)."""
+    runs = [int4_self.generate(input_ids=PROMPTS[3], max_new_tokens=NEW_TOKENS, speculation=False,
                                chat=False).token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
