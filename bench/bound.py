@@ -18,7 +18,7 @@ workload), the target's greedy reply is decoded once, and at every reply positio
 
 An oracle that knows these counts picks each step's source and k (a plain step, a lookup of j
 tokens, a model draft of j tokens) to spend the least on the reply: a shortest path over
-positions (:func:`best_schedule`). Step prices are the bench's measured ones in exact plain
+positions (:func:`best_schedule`). Step prices are the bench's measured ones in 1-row plain
 steps (:class:`StepPrices`: v(j) for a verify of j drafts, c per draft-model token; the loop's
 own work per step is added to each); a schedule that runs the model also pays, once, the
 draft's prefill of what it reads of the prompt, and the oracle runs the model only where that
@@ -49,7 +49,7 @@ BOUNDS = ("lookup", "model", "both", "both_free_verify")
 
 @dataclass(frozen=True)
 class StepPrices:
-    """Step costs in exact plain target steps: ``v[j]`` for a verify of j drafted tokens (``v[0]``
+    """Step costs in 1-row plain target steps: ``v[j]`` for a verify of j drafted tokens (``v[0]``
     = 1, a plain step; ``len(v) - 1`` is the most a step drafts), ``c`` per draft-model token (None:
     no draft model)."""
 

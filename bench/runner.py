@@ -35,14 +35,16 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from .. import __version__
 from ..runtime.costs import time_forward
-from ..runtime.divergence import first_divergence
+from ..runtime.divergence import Divergence, first_divergence
+from ..runtime.divergence import explain as explain_divergence
 from . import metrics
-from .configs import BASELINE, BASELINE_ONE_ROW, DEFAULT_K_SWEEP, BenchConfig, expand_configs
+from .configs import BASELINE, BASELINE_EXACT, BASELINES, DEFAULT_K_SWEEP, BenchConfig, expand_configs
 from .progress import Progress
 from .suite import Workload, load_suite
 
@@ -200,7 +202,8 @@ class StepCosts:
 
     ``v(k)`` and ``c`` are medians of ratios paired within one repetition (target
     (k+1)-token step / 1-token step, draft token / target 1-token step): like the
-    speedups, they cancel the machine's drift.
+    speedups, they cancel the machine's drift. The 1-token step is the bare engine's 1-row step
+    (fast mode's plain step, the baseline's); ``exact_step`` is exact mode's 2-row plain step over it.
     """
 
     def __init__(self, gen, prompt_ids: list[int], lengths: list[int]) -> None:
@@ -214,6 +217,7 @@ class StepCosts:
         self.draft: list[float] = []
         self.v: dict[int, list[float]] = {n - 1: [] for n in self.lengths}
         self.c: list[float] = []
+        self.exact_step: list[float] = []  # exact 2-row plain step / 1-row step
 
     def sample(self, reps: int) -> None:
         gen = self.gen
@@ -221,9 +225,11 @@ class StepCosts:
         for engine, cache in engines:
             cache.reset()
             engine.forward(self.prompt, cache, num_logits=1)
-        time_forward(gen.target, gen.target_kv, self.step_ids[1])  # the first step after a prefill is slower
+        bare = gen.target.inner  # n >= 2 rows run the same kernels through either engine
+        time_forward(bare, gen.target_kv, self.step_ids[1])  # the first step after a prefill is slower
         for _ in range(reps):
-            row = {n: time_forward(gen.target, gen.target_kv, self.step_ids[n]) for n in self.lengths}
+            row = {n: time_forward(bare, gen.target_kv, self.step_ids[n]) for n in self.lengths}
+            self.exact_step.append(time_forward(gen.target, gen.target_kv, self.step_ids[1]) / row[1])
             for n, dt in row.items():
                 self.target[n].append(dt)
                 self.v[n - 1].append(dt / row[1])
@@ -239,7 +245,8 @@ class StepCosts:
                 "target_s": {n: metrics.median(s) for n, s in self.target.items()},
                 "draft_token_s": metrics.median(self.draft) if self.draft else None,
                 "v": {k: metrics.median(r) for k, r in self.v.items()},
-                "c_model": metrics.median(self.c) if self.c else None}
+                "c_model": metrics.median(self.c) if self.c else None,
+                "exact_step": metrics.median(self.exact_step)}
 
 
 def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int) -> dict:
@@ -368,34 +375,37 @@ def _record(result, workload: Workload, config: str, round_: int, rss: float) ->
                      source_s=dict(s.source_s), source_tokens=dict(s.source_tokens))
 
 
-def check_outputs(runs: list[RunRecord], quantized: bool) -> list[dict]:
-    """Compare every run's tokens with its prompt's first baseline run; one entry per difference.
+def check_outputs(runs: list[RunRecord], exact_configs: set[str],
+                  explain: Callable[[str, list[int], list[int]], Divergence | None]) -> list[dict]:
+    """Compare every run's greedy tokens with its reference; one entry per difference.
 
-    ``kind`` is "near-tie divergence" when the bundle's target is quantized and the run
-    saw a near-tie (a top-2 logit gap below verify.NEAR_TIE_GAP), where a batched verify
-    may legitimately pick the other token; otherwise "divergence", a real failure.
+    A run in exact mode (``exact_configs``) must equal ``baseline-exact``'s first round token for token:
+    any difference is a "divergence", a failure. Every other run (fast mode, and ``baseline-exact`` itself)
+    is compared with ``baseline``'s first round; there a difference is allowed only at a near tie.
+    ``explain(workload, reference, other)`` measures the target's top-2 gap at the first divergence
+    (runtime/divergence.py): below the bundle's near-tie gap it is a "near-tie divergence" (counted,
+    not a failure), otherwise a "divergence".
     """
-    reference = {r.workload: r for r in runs if r.config == BASELINE and r.round == 0}
+    first = {(r.config, r.workload): r for r in runs if r.config in BASELINES and r.round == 0}
     failures = []
     for r in runs:
-        ref = reference.get(r.workload)
+        exact = r.config in exact_configs and r.config != BASELINE_EXACT
+        ref = first.get((BASELINE_EXACT if exact else BASELINE, r.workload))
         if ref is None or r is ref:
             continue
         index = first_divergence(ref.tokens, r.tokens)
         if index is None:
             continue
-        near_tie = quantized and r.near_ties > 0
-        if r.config == BASELINE_ONE_ROW:
-            kind = "one-row steps (not exact)"  # measured on purpose: what exactness costs, and buys
-        else:
-            kind = "near-tie divergence" if near_tie else "divergence"
+        found = None if exact else explain(r.workload, ref.tokens, r.tokens)
+        kind = "near-tie divergence" if found is not None and found.near_tie else "divergence"
         failures.append({
             "workload": r.workload, "category": r.category, "config": r.config, "round": r.round,
-            "first_divergence": index,
+            "reference": ref.config, "first_divergence": index,
             "baseline_token": ref.tokens[index] if index < len(ref.tokens) else None,
             "config_token": r.tokens[index] if index < len(r.tokens) else None,
             "baseline_tokens": len(ref.tokens), "config_tokens": len(r.tokens), "near_ties": r.near_ties,
-            "kind": kind})
+            "top2_gap": None if found is None else found.top2_gap,
+            "near_tie_gap": None if found is None else found.threshold, "kind": kind})
     return failures
 
 
@@ -509,7 +519,10 @@ def run_bench(settings: BenchSettings) -> dict:
     rss_specedge = process_peak_rss_mb()
     costs = step_costs.result()
 
-    failures = check_outputs(runs, quantized)
+    prompt_ids = {w.id: ids for w, ids, _ in workloads}
+    failures = check_outputs(runs, {c.name for c in configs if c.exact},
+                             lambda workload, ref, other: explain_divergence(
+                                 gen.target.inner, prompt_ids[workload], ref, other, near_tie=gen.near_tie_gap))
     baseline = {(r.workload, r.round): r for r in runs if r.config == BASELINE}
     categories = []
     for w, _, _ in workloads:
@@ -575,7 +588,7 @@ def run_bench(settings: BenchSettings) -> dict:
                        "target_s": {str(n): s for n, s in sorted(costs["target_s"].items())},
                        "draft_token_s": costs["draft_token_s"],
                        "v": {str(k): x for k, x in sorted(costs["v"].items())},
-                       "c_model": costs["c_model"]},
+                       "c_model": costs["c_model"], "exact_step": costs["exact_step"]},
         "workloads": by_category,
         "failures": failures,
         "notes": notes,
@@ -583,7 +596,7 @@ def run_bench(settings: BenchSettings) -> dict:
         "runs": [r.summary() for r in runs],
         "summary": {"failures": len(hard),
                     "near_tie_divergences": sum(1 for f in failures if f["kind"] == "near-tie divergence"),
-                    "one_row_divergences": sum(1 for f in failures if f["kind"] == "one-row steps (not exact)"),
+                    "near_tie_gap": gen.near_tie_gap,
                     "exit_code": 1 if hard else 0, "best": best_configs(by_category)},
     }
     return doc
@@ -594,7 +607,7 @@ def best_configs(by_category: dict) -> dict:
     out = {}
     for category, entry in by_category.items():
         cells = {n: c for n, c in entry["configs"].items()
-                 if n not in (BASELINE, BASELINE_ONE_ROW) and not math.isnan(c["speedup"])}
+                 if n not in BASELINES and not math.isnan(c["speedup"])}
         base = entry["configs"][BASELINE]["tokens_per_s"]["median"]
         if not cells:
             out[category] = {"config": None, "speedup": None, "baseline_tokens_per_s": base}

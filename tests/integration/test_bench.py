@@ -106,25 +106,44 @@ def _run(config: str, tokens: list[int], *, round_: int = 0, near_ties: int = 0,
                      accepted_per_position=[], k_chosen={}, near_ties=near_ties, mode_s={}, rss_peak_mb=1.0)
 
 
-def test_any_difference_from_the_baseline_is_a_failure_with_its_first_index():
+def _gaps(gap: float, threshold: float = 0.5):
+    """An explain() stand-in: every divergence measures ``gap`` against ``threshold``."""
+    from specedge.runtime.divergence import Divergence, first_divergence
+
+    def explain(workload, ref, other):
+        i = first_divergence(ref, other)
+        return Divergence(i, (ref[i], other[i]), gap, gap < threshold, threshold)
+    return explain
+
+
+def test_any_difference_from_the_baseline_outside_a_near_tie_is_a_failure_with_its_first_index():
     runs = [_run("baseline", [5, 6, 7, 8]), _run("model-k4", [5, 6, 7, 8]), _run("ngram-k2", [5, 6, 9, 8]),
             _run("baseline", [5, 6, 7, 8], round_=1)]
-    failures = check_outputs(runs, quantized=False)
+    failures = check_outputs(runs, set(), _gaps(3.0))
     assert [(f["config"], f["first_divergence"], f["kind"]) for f in failures] == [("ngram-k2", 2, "divergence")]
     assert failures[0]["baseline_token"] == 7 and failures[0]["config_token"] == 9
+    assert failures[0]["top2_gap"] == 3.0 and failures[0]["reference"] == "baseline"
 
 
 def test_a_nondeterministic_baseline_repeat_is_a_failure_too():
     runs = [_run("baseline", [5, 6, 7]), _run("baseline", [5, 1, 7], round_=1)]
-    assert [(f["config"], f["round"]) for f in check_outputs(runs, quantized=False)] == [("baseline", 1)]
+    assert [(f["config"], f["round"]) for f in check_outputs(runs, set(), _gaps(3.0))] == [("baseline", 1)]
 
 
-def test_near_tie_divergence_only_excuses_a_quantized_target():
-    runs = [_run("baseline", [5, 6, 7]), _run("model-k4", [5, 6, 1], near_ties=2)]
-    assert check_outputs(runs, quantized=True)[0]["kind"] == "near-tie divergence"
-    assert check_outputs(runs, quantized=False)[0]["kind"] == "divergence"
-    no_tie = [_run("baseline", [5, 6, 7]), _run("model-k4", [5, 6, 1], near_ties=0)]
-    assert check_outputs(no_tie, quantized=True)[0]["kind"] == "divergence"
+def test_a_fast_mode_divergence_is_excused_only_at_a_measured_near_tie():
+    runs = [_run("baseline", [5, 6, 7]), _run("model-k4", [5, 6, 1])]
+    assert check_outputs(runs, set(), _gaps(0.1))[0]["kind"] == "near-tie divergence"
+    assert check_outputs(runs, set(), _gaps(0.9))[0]["kind"] == "divergence"
+
+
+def test_exact_runs_must_equal_exact_plain_decoding_even_at_a_near_tie():
+    runs = [_run("baseline", [5, 6, 7]), _run("baseline-exact", [5, 6, 8]), _run("model-k4-exact", [5, 6, 8]),
+            _run("ngram-k2-exact", [5, 6, 7])]
+    failures = check_outputs(runs, {"baseline-exact", "model-k4-exact", "ngram-k2-exact"}, _gaps(0.1))
+    kinds = {f["config"]: (f["reference"], f["kind"]) for f in failures}
+    # exact plain vs fast plain: a near tie; an exact run vs exact plain: any difference fails
+    assert kinds == {"baseline-exact": ("baseline", "near-tie divergence"),
+                     "ngram-k2-exact": ("baseline-exact", "divergence")}
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -331,10 +350,12 @@ def test_rendered_failures_are_listed_with_their_first_divergence(quick_run):
     broken = json.loads(json.dumps(doc))
     broken["failures"] = [{"workload": "code-py-dataclass", "category": "code", "config": "model-k4", "round": 0,
                            "first_divergence": 7, "baseline_token": 3, "config_token": 4, "near_ties": 0,
+                           "reference": "baseline", "top2_gap": 1.25, "near_tie_gap": 0.5,
                            "kind": "divergence"}]
     broken["summary"]["failures"] = 1
     text = render_markdown(broken)
-    assert "FAILED: 1" in text and "| code-py-dataclass | model-k4 | 0 | 7 | 3 vs 4 | 0 | divergence |" in text
+    assert "FAILED: 1" in text
+    assert "| code-py-dataclass | model-k4 | 0 | baseline | 7 | 3 vs 4 | 1.2500 | 0.5000 | divergence |" in text
     check_schema(broken)
     with pytest.raises(InvalidParameterError, match="step_costs"):
         check_schema({k: v for k, v in doc.items() if k != "step_costs"})
@@ -351,7 +372,7 @@ def test_bare_json_flag_prints_only_json_to_stdout(tiny):
 def test_a_divergence_makes_the_bench_exit_non_zero(tiny, monkeypatch):
     from specedge.bench import runner
 
-    def fake_check(runs, quantized):
+    def fake_check(runs, exact_configs, explain):
         spec = next(r for r in runs if r.config != "baseline")
         return [{"workload": spec.workload, "category": spec.category, "config": spec.config, "round": 0,
                  "first_divergence": 0, "baseline_token": 1, "config_token": 2, "near_ties": 0,
@@ -360,7 +381,7 @@ def test_a_divergence_makes_the_bench_exit_non_zero(tiny, monkeypatch):
     monkeypatch.setattr(runner, "check_outputs", fake_check)
     result = _bench([str(tiny["bundle"]), "--quick", "--no-progress", "--workloads", "chat", "--configs", "ngram-k4"])
     assert result.exit_code == 1
-    assert "FAILED: 1 speculative run(s) differ" in result.output
+    assert "FAILED: 1 run(s) differ from their baseline outside a near tie" in result.output
 
 
 def test_hf_peer_on_the_same_checkpoint_gives_our_tokens_and_absent_peers_are_skipped(tiny, tmp_path):
@@ -557,15 +578,18 @@ def test_a_peer_crash_keeps_our_results_and_the_partial_file_has_every_run(tiny,
     PartialLog(None)({"event": "ignored"})  # no path: nothing written, nothing raised
 
 
-def test_baseline_1row_is_plain_decoding_without_exact_steps_and_its_differences_are_not_failures():
-    config = parse_config_name("baseline-1row")
-    assert not config.speculative and config.exact is False
-    assert config.generation_config(8).exact is False and parse_config_name("baseline").generation_config(8).exact
-    base = RunRecord(**{**_REC, "config": "baseline", "tokens": [1, 2, 3]})
-    one_row = RunRecord(**{**_REC, "config": "baseline-1row", "tokens": [1, 2, 4], "near_ties": 1})
-    spec = RunRecord(**{**_REC, "config": "ngram-k4", "tokens": [1, 2, 4], "near_ties": 0})
-    kinds = {f["config"]: f["kind"] for f in check_outputs([base, one_row, spec], quantized=True)}
-    assert kinds == {"baseline-1row": "one-row steps (not exact)", "ngram-k4": "divergence"}
+def test_baseline_is_one_row_plain_decoding_and_exact_configurations_bring_exact_plain_decoding():
+    assert parse_config_name("baseline").generation_config(8).exact is False
+    assert parse_config_name("baseline-exact").generation_config(8).exact is True
+    exact = parse_config_name("model-k4-exact")
+    assert exact.speculative and exact.draft_tokens == 4 and exact.generation_config(8).exact
+    assert parse_config_name("ngram-adaptive-pipelined-exact").mode == "pipelined"
+    with pytest.raises(InvalidParameterError, match="'baseline-1row' is now 'baseline'"):
+        parse_config_name("baseline-1row")
+    configs, _ = expand_configs("ngram-k2,model-k4-exact", has_draft=True, max_draft_tokens=8)
+    assert [c.name for c in configs] == ["baseline", "baseline-exact", "ngram-k2", "model-k4-exact"]
+    configs, _ = expand_configs("ngram-k2", has_draft=True, max_draft_tokens=8)
+    assert [c.name for c in configs] == ["baseline", "ngram-k2"]
 
 
 _REC = dict(workload="w", category="code", round=0, token_times_s=[], tokens_per_s=1.0, new_tokens=3,
