@@ -142,8 +142,8 @@ def _generate_json(bundle, *args):
     (("--temperature", "0.8", "--seed", "5", "-k", "2"), {"temperature": 0.8, "seed": 5, "draft_tokens": 2}),
 ])
 def test_generate_json_equals_the_api(args, api, int4_bundle, load_generator):
-    out = _generate_json(int4_bundle, "--max-new-tokens", "16", *args)
-    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, **api)
+    out = _generate_json(int4_bundle, "--max-new-tokens", "16", "--exact", *args)
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, exact=True, **api)
     assert out["token_ids"] == expected.token_ids
     assert out["text"] == expected.text
     assert out["finish_reason"] == expected.finish_reason
@@ -153,18 +153,18 @@ def test_generate_json_equals_the_api(args, api, int4_bundle, load_generator):
 
 
 def test_generate_speculative_equals_no_speculation(int4_bundle):
-    spec = _generate_json(int4_bundle, "--max-new-tokens", "24", "-k", "4")
-    base = _generate_json(int4_bundle, "--max-new-tokens", "24", "--no-speculation")
+    spec = _generate_json(int4_bundle, "--max-new-tokens", "24", "-k", "4", "--exact")
+    base = _generate_json(int4_bundle, "--max-new-tokens", "24", "--no-speculation", "--exact")
     assert spec["token_ids"] == base["token_ids"]
     assert spec["stats"]["drafted"] > 0
 
 
 def test_generate_plain_stream_and_stats(int4_bundle, load_generator):
-    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=10).text
-    plain = _invoke("generate", int4_bundle, "-p", PROMPT, "--max-new-tokens", "10", "--threads", "1")
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=10, exact=True).text
+    plain = _invoke("generate", int4_bundle, "-p", PROMPT, "--max-new-tokens", "10", "--threads", "1", "--exact")
     assert plain.exit_code == 0 and plain.stdout == expected + "\n"
     streamed = _invoke("generate", int4_bundle, "-p", PROMPT, "--max-new-tokens", "10", "--stream", "--stats",
-                       "--threads", "1")
+                       "--threads", "1", "--exact")
     assert streamed.exit_code == 0 and streamed.stdout == expected + "\n"
     assert "10 tokens" in streamed.stderr and "finish length" in streamed.stderr
     assert re.search(r"draft catch-up \d+ tokens in \d+ ms \(\d+ steps kept plain", streamed.stderr)

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import PROMPT_IDS
 from distribution import assert_same_distribution, token_counts
+from exactness import assert_agrees, exact_holds
 from specedge.runtime import auto_drafter, loop
 from specedge.runtime.controller import PLAIN, ControllerSnapshot, DraftPlan
 from specedge.runtime.drafters import DRAFTERS, AutoDrafter, uses_draft_model
@@ -56,7 +57,9 @@ def test_greedy_equals_plain_decoding_with_a_draft_model(options, drafted):
 def lookup_only(arch_bundle):
     """The tiny gpt2 target (no draft model) loops on a few tokens: lookups find long matches."""
     gen = Generator.from_bundle(arch_bundle("gpt2"), threads=1)
-    return gen, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True).token_ids
+    exact = exact_holds(gen)  # its standard-attention graph is not row-invariant on every CPU
+    return gen, exact, gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False,
+                                    exact=exact).token_ids
 
 
 @pytest.mark.parametrize("options", [
@@ -64,11 +67,12 @@ def lookup_only(arch_bundle):
     {"draft_tokens": 4, "mode": "auto"}, {"reply_memory": False},
 ])
 def test_without_a_draft_model_the_default_is_the_lookup_and_equals_plain(options, lookup_only):
-    gen, plain = lookup_only
+    gen, exact, plain = lookup_only
     assert gen.manifest.speculation.drafter == "auto" and gen.draft is None
     for _ in range(2):
-        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=True, **options)
-        assert result.token_ids == plain and result.stats.drafter == "auto"
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=exact, **options)
+        assert_agrees(gen, PROMPT_IDS, plain, result.token_ids, exact=exact)
+        assert result.stats.drafter == "auto"
         assert result.stats.catchup_tokens == 0  # no model ever ran
     assert result.stats.accepted > 0  # the looping reply was drafted from
 

@@ -1,4 +1,4 @@
-"""``export --tune`` on a quantized target and its quantized draft: the block size is measured and chosen on
+"""``export --tune --exact`` on a quantized target and its quantized draft: the block size is measured and chosen on
 this machine (the target's with exact steps required, the draft's without: its tokens are verified)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from tiny_models import PROMPT_IDS
 
 @pytest.fixture(scope="module")
 def tuned_bundle(tiny_model, export):
-    return export(tiny_model("llama"), draft="self-int4", precision="int4", tune_block_size=True)
+    # exact=True: tuned for exact mode (2-row plain steps equal to verify rows), what the tests below decode in
+    return export(tiny_model("llama"), draft="self-int4", precision="int4", tune_block_size=True, exact=True)
 
 
 def _block_sizes(graph) -> set[int]:
@@ -65,12 +66,13 @@ def test_a_tuned_bundle_decodes_exactly(tuned_bundle, load_generator):
     from specedge.runtime.options import GenerationConfig
 
     gen = load_generator(tuned_bundle)
-    plain = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, speculation=False))
+    plain = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, speculation=False,
+                                                                      exact=True))
     spec = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, drafter="ngram",
-                                                                     draft_tokens=3))
+                                                                     draft_tokens=3, exact=True))
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 1
     by_model = gen.generate(input_ids=PROMPT_IDS, config=GenerationConfig(max_new_tokens=24, drafter="model",
-                                                                         draft_tokens=3, adaptive=False))
+                                                                         draft_tokens=3, adaptive=False, exact=True))
     assert by_model.token_ids == plain.token_ids
 
 

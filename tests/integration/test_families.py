@@ -5,8 +5,9 @@ from their HF initial values so a dropped term shows; see tiny_models.build_mode
 
 - greedy decoding of the exported bundle equals transformers' ``generate`` token for token, past
   every sliding window, with the fused GroupQueryAttention graph and with the standard one;
-- speculation (the bundle's self-int4 draft, and the n-gram drafter) equals plain decoding (both in
-  exact mode, the mode these comparisons run in);
+- speculation (the bundle's self-int4 draft, and the n-gram drafter) equals plain decoding, both in
+  exact mode; where this machine's export recorded the graph as not row-invariant (exact mode is
+  refused there), both run in fast mode and may differ only at a near tie (tests/exactness.py);
 - each feature a family turns on really changes the logits of these checkpoints: the same export
   with that one DecoderSpec field or weight dropped fails export validation (so the equality above
   is not vacuous);
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPT_IDS
+from exactness import assert_agrees, exact_holds
 from tiny_models import HEADS, HIDDEN, hf_greedy, load_hf
 
 N_NEW = 40  # PROMPT_IDS (20) + 40 new tokens reach position 60: past windows of 8
@@ -96,12 +98,13 @@ def test_greedy_equals_transformers_and_speculation_equals_plain(case, attention
     expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
     assert len(expected) >= WINDOW, "the continuation must run past the window (seed meets EOS too early)"
     gen = load_generator(bundle)
-    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=True).token_ids
+    exact = exact_holds(gen)  # the standard graph is not row-invariant on every CPU: there, fast mode's promise
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=exact).token_ids
     assert plain == expected
     for drafter in ("model", "ngram"):
         out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, drafter=drafter, draft_tokens=4,
-                           adaptive=False, exact=True)
-        assert out.token_ids == plain, drafter
+                           adaptive=False, exact=exact)
+        assert_agrees(gen, PROMPT_IDS, plain, out.token_ids, exact=exact)
 
 
 # --------------------------------------------------------------------------- the features bite
@@ -257,7 +260,8 @@ def test_a_gguf_file_of_a_new_family_exports_and_matches_transformers(tiny_model
     source = write_gguf(folder, tmp_path / "tiny-qwen3.gguf")
     export_bundle(ExportConfig(target=str(source), out=tmp_path / "b", quiet=True, max_context=CONTEXT))
     expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
-    got = load_generator(tmp_path / "b").generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=True)
+    gen = load_generator(tmp_path / "b")
+    got = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=exact_holds(gen))
     assert got.token_ids == expected
 
 
@@ -268,9 +272,11 @@ def test_early_exit_self_drafts_validate_for_other_layouts(case, tiny_model, exp
     folder = tiny_model(arch, seed=SEED, config=config)
     bundle = export(folder, draft="self-int4", draft_layers=1, max_context=CONTEXT)
     gen = load_generator(bundle)
-    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=True).token_ids
-    out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, drafter="model", draft_tokens=4, adaptive=False, exact=True)
-    assert out.token_ids == plain
+    exact = exact_holds(gen)
+    plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=exact).token_ids
+    out = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, drafter="model", draft_tokens=4, adaptive=False,
+                       exact=exact)
+    assert_agrees(gen, PROMPT_IDS, plain, out.token_ids, exact=exact)
     assert out.stats.accepted < out.stats.drafted, "a one-layer draft must be corrected at least once"
 
 

@@ -46,7 +46,8 @@ from specedge.runtime.generator import Generator
 from tiny_models import build_model
 
 PROMPT = "w010 w011 w012 w013"
-SPEC = dict(drafter="model", draft_tokens=4, adaptive=False)
+# Exact mode: a reply then does not depend on what the slots held (reuse vs a cold start) or on k.
+SPEC = dict(drafter="model", draft_tokens=4, adaptive=False, exact=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def reference(bundle) -> dict:
     """Outputs of a Generator that nothing ever interrupted."""
     fresh = Generator.from_bundle(bundle, threads=1)
     return {"spec": fresh.generate(PROMPT, chat=False, max_new_tokens=60, **SPEC),
-            "plain": fresh.generate(PROMPT, chat=False, max_new_tokens=60, speculation=False)}
+            "plain": fresh.generate(PROMPT, chat=False, max_new_tokens=60, speculation=False, exact=True)}
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -87,7 +88,7 @@ def _siblings(out: Path) -> list[str]:
 def _assert_usable(gen: Generator, reference: dict) -> None:
     assert not gen._lock.locked()
     assert gen.generate(PROMPT, chat=False, max_new_tokens=60, **SPEC).token_ids == reference["spec"].token_ids
-    assert gen.generate(PROMPT, chat=False, max_new_tokens=60, speculation=False).token_ids == \
+    assert gen.generate(PROMPT, chat=False, max_new_tokens=60, speculation=False, exact=True).token_ids == \
         reference["plain"].token_ids
 
 
@@ -268,7 +269,7 @@ def _read_within(fd: int, timeout_s: float) -> bytes:
 
 def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen, tmp_path):
     args = _cli() + ["generate", str(bundle), "--prompt", PROMPT, "--raw", "--stream", "--threads", "1",
-                     "--max-new-tokens", "4000", "-k", "4", "--no-adaptive"]
+                     "--max-new-tokens", "4000", "-k", "4", "--no-adaptive", "--exact"]
     read_end, write_end = os.pipe()
     if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux; elsewhere the default pipe still holds less than 4000 words
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -300,5 +301,5 @@ def test_cli_ctrl_c_prints_the_text_so_far(bundle, gen, tmp_path):
     printed = stdout.strip()
     n_words = len(printed.split())
     assert 0 < n_words < 4000
-    full = gen.generate(PROMPT, chat=False, max_new_tokens=n_words, speculation=False).text
+    full = gen.generate(PROMPT, chat=False, max_new_tokens=n_words, speculation=False, exact=True).text
     assert printed == full  # exactly the greedy output so far, nothing lost or garbled

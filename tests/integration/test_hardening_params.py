@@ -167,13 +167,13 @@ SPECULATION = [
 
 @pytest.mark.parametrize("overrides", SPECULATION)
 def test_generation_that_reaches_max_context_stops_cleanly(gen, overrides):
-    plain = gen.generate(input_ids=PROMPT, max_new_tokens=100, speculation=False)
-    result = gen.generate(input_ids=PROMPT, max_new_tokens=100, **overrides)
+    plain = gen.generate(input_ids=PROMPT, max_new_tokens=100, speculation=False, exact=True)
+    result = gen.generate(input_ids=PROMPT, max_new_tokens=100, exact=True, **overrides)
     assert result.finish_reason == "length"
     assert f"reached max_context ({MAX_CONTEXT} tokens: prompt {len(PROMPT)} + " in result.message
     assert len(PROMPT) + len(result.token_ids) == MAX_CONTEXT
     assert result.token_ids == plain.token_ids
-    streamed = gen.stream(input_ids=PROMPT, max_new_tokens=100, **overrides)
+    streamed = gen.stream(input_ids=PROMPT, max_new_tokens=100, exact=True, **overrides)
     assert "".join(streamed) == result.text
     assert streamed.result.finish_reason == "length" and streamed.result.token_ids == result.token_ids
 

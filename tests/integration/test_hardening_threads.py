@@ -36,7 +36,8 @@ from specedge.runtime.generator import Generator
 from tiny_models import build_model
 
 PROMPTS = [list(range(6, 26)), list(range(40, 52)), [7, 8, 9, 10, 11, 12, 13], list(range(100, 130))]
-SETTINGS = dict(max_new_tokens=80, drafter="model", draft_tokens=4, adaptive=False)
+# Exact mode: a reply then does not depend on which slot (reused prefix or cold) it ran in.
+SETTINGS = dict(max_new_tokens=80, drafter="model", draft_tokens=4, adaptive=False, exact=True)
 
 
 @pytest.fixture(scope="module")

@@ -64,10 +64,11 @@ def test_runtime_engine_and_cli_run_without_torch(int4_bundle, load_generator, t
     from specedge.runtime.generator import Generator
 
     gen = Generator.from_bundle({str(int4_bundle)!r}, threads=1)
-    spec = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, draft_tokens=4)
-    base = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, speculation=False)
+    spec = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, draft_tokens=4, exact=True)
+    base = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, speculation=False, exact=True)
     cli = CliRunner().invoke(specedge.cli.main.main, ["generate", {str(int4_bundle)!r}, "-p", "w010 w011",
-                                                      "--max-new-tokens", "8", "--json", "--threads", "1"])
+                                                      "--max-new-tokens", "8", "--json", "--threads", "1",
+                                                      "--exact"])
     assert cli.exit_code == 0, cli.output
     print(json.dumps({{"spec": spec.token_ids, "base": base.token_ids, "drafted": spec.stats.drafted,
                       "cli": json.loads(cli.stdout)["token_ids"], "leaked": leaked()}}))
@@ -75,10 +76,10 @@ def test_runtime_engine_and_cli_run_without_torch(int4_bundle, load_generator, t
     out = _run(("torch", "transformers", "onnx"), body, tmp_path)
     assert out["leaked"] == []
     gen = load_generator(int4_bundle)
-    expected = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, speculation=False).token_ids
+    expected = gen.generate(input_ids=list(range(6, 26)), max_new_tokens=20, speculation=False, exact=True).token_ids
     assert out["base"] == out["spec"] == expected
     assert out["drafted"] > 0
-    assert out["cli"] == gen.generate("w010 w011", max_new_tokens=8).token_ids
+    assert out["cli"] == gen.generate("w010 w011", max_new_tokens=8, exact=True).token_ids
 
 
 def test_manifest_and_fetch_need_only_the_standard_library(int4_bundle, tmp_path):

@@ -4,7 +4,8 @@ Invariants guarded here:
 
 * what a client gets through the server (chat or completions, streamed or not) is
   exactly what ``Generator.generate`` returns for the same request: same text, same
-  token counts, same finish reason;
+  token counts, same finish reason (both sides in exact mode, ``"specedge": {"exact": true}``,
+  whose replies do not depend on slots or k);
 * concurrent clients are all served, none lost, each output equal to its serial run;
 * a client that leaves mid-stream (or while waiting) frees the worker or its queue
   slot, and the next request is served;
@@ -138,18 +139,19 @@ def long_messages(gen) -> list[dict]:
 
 @contextlib.contextmanager
 def slowed(gen: Generator, delay: float = SLOW_STEP_S):
-    """Make every target forward sleep first: a long generation that holds the worker, same tokens."""
-    forward = gen.target.forward
+    """Make every target forward sleep first: a long generation that holds the worker, same tokens.
+    The bare engine is patched: fast mode (the default) runs it directly, exact mode through its wrapper."""
+    forward = gen.target.inner.forward
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return forward(*args, **kwargs)
 
-    gen.target.forward = slow
+    gen.target.inner.forward = slow
     try:
         yield
     finally:
-        del gen.target.forward  # back to the class's method
+        del gen.target.inner.forward  # back to the class's method
 
 
 def _chat(content: str) -> list[dict]:
@@ -184,8 +186,9 @@ def test_startup_ran_warmup_and_health_and_models(served):
 
 def test_chat_non_streaming_equals_generate(served, gen):
     messages = _chat("t10 t11 t12")
-    want = gen.generate(messages=messages, max_new_tokens=40, temperature=0)
-    got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    want = gen.generate(messages=messages, max_new_tokens=40, temperature=0, exact=True)
+    got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                  extra_body={"specedge": {"exact": True}})
     assert got.choices[0].message.content == want.text
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].finish_reason == "length"
@@ -198,10 +201,10 @@ def test_chat_non_streaming_equals_generate(served, gen):
 
 def test_chat_streaming_equals_generate(served, gen):
     messages = _chat("t20 t21")
-    want = gen.generate(messages=messages, max_new_tokens=50, temperature=0)
+    want = gen.generate(messages=messages, max_new_tokens=50, temperature=0, exact=True)
     stream = served.client().chat.completions.create(
         model=MODEL, messages=messages, max_completion_tokens=50, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True}, extra_body={"specedge": {"exact": True}})
     text, chunks = _stream_text(stream)
     assert text == want.text
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -224,9 +227,10 @@ def test_stream_ends_with_done_and_usage_only_when_asked(served):
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_equal_generate(served, gen, stream):
     prompt = "t40 t41 t42 t43"
-    want = gen.generate(prompt, chat=False, max_new_tokens=30, temperature=0)
+    want = gen.generate(prompt, chat=False, max_new_tokens=30, temperature=0, exact=True)
     client = served.client()
-    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stream=stream)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stream=stream,
+                                    extra_body={"specedge": {"exact": True}})
     if stream:
         text, chunks = _stream_text(got)
         assert chunks[-1].choices[0].finish_reason == "length"
@@ -238,20 +242,20 @@ def test_completions_equal_generate(served, gen, stream):
 
 def test_completions_default_to_16_tokens_and_accept_token_ids(served, gen):
     ids = [50, 51, 52]
-    want = gen.generate(input_ids=ids, max_new_tokens=16, temperature=0)
-    got = served.client().completions.create(model=MODEL, prompt=ids, temperature=0)
+    want = gen.generate(input_ids=ids, max_new_tokens=16, temperature=0, exact=True)
+    got = served.client().completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"specedge": {"exact": True}})
     assert got.choices[0].text == want.text and got.usage.completion_tokens == 16
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_equal_generate(served, gen, stream):
     messages = _chat("t10 t11 t12")
-    full = gen.generate(messages=messages, max_new_tokens=40, temperature=0).text.split()
+    full = gen.generate(messages=messages, max_new_tokens=40, temperature=0, exact=True).text.split()
     stop = full[len(full) // 2]  # a word from the middle of the reply
-    want = gen.generate(messages=messages, max_new_tokens=40, temperature=0, stop=(stop, "t299 t299"))
+    want = gen.generate(messages=messages, max_new_tokens=40, temperature=0, stop=(stop, "t299 t299"), exact=True)
     assert want.finish_reason == "stop"
     got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
-                                                  stop=[stop, "t299 t299"], stream=stream)
+                                                  stop=[stop, "t299 t299"], stream=stream, extra_body={"specedge": {"exact": True}})
     if stream:
         text, chunks = _stream_text(got)
         reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -267,29 +271,29 @@ def test_seeded_sampling_equals_generate(served, gen):
     # the default drafts from earlier replies too, and a seed holds for the same proposals.
     messages = _chat("t60 t61")
     want = gen.generate(messages=messages, max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, draft_tokens=3,
-                        reply_memory=False)
+                        reply_memory=False, exact=True)
     got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0.9,
-                                                  top_p=0.95, seed=7,
-                                                  extra_body={"specedge": {"draft_tokens": 3, "reply_memory": False}})
+                                                  top_p=0.95, seed=7, extra_body={"specedge": {
+                                                      "draft_tokens": 3, "reply_memory": False, "exact": True}})
     assert got.choices[0].message.content == want.text
     assert set(got.model_extra["specedge"]["k_chosen"]) <= {"3", "2", "1"}  # k shrinks only near max_tokens
 
 
 def test_latency_cap_and_draft_window_per_request(served, gen):
     messages = _chat("t90 t91")
-    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0)
+    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0, exact=True)
     got = served.client().chat.completions.create(
         model=MODEL, messages=messages, max_tokens=30, temperature=0,
-        extra_body={"specedge": {"max_latency_s": 0.5, "draft_window": 8, "draft_tokens": 4}})
+        extra_body={"specedge": {"max_latency_s": 0.5, "draft_window": 8, "draft_tokens": 4, "exact": True}})
     assert got.choices[0].message.content == want.text
     assert got.model_extra["specedge"]["catchup_tokens"] <= 8
 
 
 def test_speculation_off_per_request(served, gen):
     messages = _chat("t70 t71")
-    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0)
+    want = gen.generate(messages=messages, max_new_tokens=30, temperature=0, exact=True)
     got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
-                                                  extra_body={"specedge": {"speculation": False}})
+                                                  extra_body={"specedge": {"speculation": False, "exact": True}})
     assert got.choices[0].message.content == want.text
     assert got.model_extra["specedge"]["drafter"] == "none" and got.model_extra["specedge"]["drafted"] == 0
 
@@ -298,9 +302,9 @@ def test_server_wide_no_speculation(gen):
     srv = Served(create_app(gen, speculation=False, warmup=False))
     try:
         messages = _chat("t80")
-        want = gen.generate(messages=messages, max_new_tokens=20, temperature=0)
+        want = gen.generate(messages=messages, max_new_tokens=20, temperature=0, exact=True)
         got = srv.client().chat.completions.create(model=gen.bundle.name, messages=messages, max_tokens=20,
-                                                   temperature=0)
+                                                   temperature=0, extra_body={"specedge": {"exact": True}})
         assert got.choices[0].message.content == want.text
         assert got.model_extra["specedge"]["drafter"] == "none"
         response = srv.post("/v1/chat/completions", {"messages": messages, "specedge": {"speculation": True}})
@@ -312,7 +316,7 @@ def test_server_wide_no_speculation(gen):
 # ----------------------------------------------------------------------------- concurrency
 def test_sixteen_concurrent_clients_all_served_equal_to_serial(served, gen):
     prompts = [f"t{100 + i} t{150 + i}" for i in range(16)]
-    serial = [gen.generate(messages=_chat(p), max_new_tokens=24, temperature=0).text for p in prompts]
+    serial = [gen.generate(messages=_chat(p), max_new_tokens=24, temperature=0, exact=True).text for p in prompts]
     before = served.health()["completed"]
     results: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -322,7 +326,7 @@ def test_sixteen_concurrent_clients_all_served_equal_to_serial(served, gen):
         try:
             c = served.client(timeout=60)
             barrier.wait()
-            kw = dict(model=MODEL, messages=_chat(prompts[i]), max_tokens=24, temperature=0)
+            kw = dict(model=MODEL, messages=_chat(prompts[i]), max_tokens=24, temperature=0, extra_body={"specedge": {"exact": True}})
             if i % 2:
                 results[i] = _stream_text(c.chat.completions.create(stream=True, **kw))[0]
             else:
@@ -361,8 +365,9 @@ def test_disconnect_mid_stream_frees_the_worker(served, gen, long_messages):
         assert state["cancelled"] == before + 1
         assert time.monotonic() - t_closed < 3
     messages = _chat("t92")
-    want = gen.generate(messages=messages, max_new_tokens=10, temperature=0)
-    got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    want = gen.generate(messages=messages, max_new_tokens=10, temperature=0, exact=True)
+    got = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                  extra_body={"specedge": {"exact": True}})
     assert got.choices[0].message.content == want.text
 
 
@@ -401,12 +406,13 @@ def test_queue_full_is_429_and_a_waiting_client_that_leaves_frees_its_slot(gen, 
                 # once that one's client leaves.
                 done: list = []
                 waiter = threading.Thread(target=lambda: done.append(srv.post(
-                    "/v1/chat/completions", {"messages": _chat("t95"), "max_tokens": 4, "temperature": 0})))
+                    "/v1/chat/completions", {"messages": _chat("t95"), "max_tokens": 4, "temperature": 0,
+                                             "specedge": {"exact": True}})))
                 waiter.start()
                 srv.wait_for(lambda s: s["waiting"] == 1)
             waiter.join(30)
         assert done and done[0].status_code == 200, done
-        want = gen.generate(messages=_chat("t95"), max_new_tokens=4, temperature=0)
+        want = gen.generate(messages=_chat("t95"), max_new_tokens=4, temperature=0, exact=True)
         assert done[0].json()["choices"][0]["message"]["content"] == want.text
         state = srv.health()
         assert state["rejected"] == 1 and state["cancelled"] == 2 and state["completed"] == 1
@@ -458,7 +464,7 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    gen.target.forward = broken
+    gen.target.inner.forward = broken  # the bare engine: both modes run it
     try:
         response = served.post("/v1/chat/completions", {"messages": _chat("t10"), "max_tokens": 4})
         error = _error(response, 500)
@@ -467,9 +473,10 @@ def test_a_failing_generation_is_a_500_in_openai_format_and_the_worker_lives_on(
             _stream_text(served.client().chat.completions.create(model=MODEL, messages=_chat("t10"),
                                                                  max_tokens=4, stream=True))
     finally:
-        del gen.target.forward
-    want = gen.generate(messages=_chat("t10"), max_new_tokens=4, temperature=0)
-    got = served.client().chat.completions.create(model=MODEL, messages=_chat("t10"), max_tokens=4, temperature=0)
+        del gen.target.inner.forward
+    want = gen.generate(messages=_chat("t10"), max_new_tokens=4, temperature=0, exact=True)
+    got = served.client().chat.completions.create(model=MODEL, messages=_chat("t10"), max_tokens=4, temperature=0,
+                                                  extra_body={"specedge": {"exact": True}})
     assert got.choices[0].message.content == want.text
 
 
@@ -520,10 +527,10 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(served, gen):
     body = {"model": MODEL, "messages": _chat("t10"), "max_tokens": 4, "temperature": 0, "frequency_penalty": 0,
             "presence_penalty": 0.0, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
             "logprobs": False, "user": "caller-1", "n": 1, "top_logprobs": None, "service_tier": "auto",
-            "metadata": {"call": "42"}, "safety_identifier": "caller-1"}
+            "metadata": {"call": "42"}, "safety_identifier": "caller-1", "specedge": {"exact": True}}
     response = served.post("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
-    want = gen.generate(messages=_chat("t10"), max_new_tokens=4, temperature=0)
+    want = gen.generate(messages=_chat("t10"), max_new_tokens=4, temperature=0, exact=True)
     assert response.json()["choices"][0]["message"]["content"] == want.text
 
 
@@ -625,7 +632,7 @@ def test_prefill_ahead_then_the_request_reuses_it(served, gen):
     """POST /v1/specedge/prefill fills a slot (202 at once); the request then prefills only its tail."""
     messages = _chat("t40 t41 t42 t43")
     before = served.health()["completed"]
-    response = served.post("/v1/specedge/prefill", {"model": MODEL, "messages": messages})
+    response = served.post("/v1/specedge/prefill", {"model": MODEL, "messages": messages, "specedge": {"exact": True}})
     assert response.status_code == 202 and response.json()["status"] == "queued"
     state = served.wait_for(lambda s: s["completed"] > before and s["waiting_prefills"] == 0)
     assert state["cache"]["slots"] >= 1 and max(state["cache"]["held_tokens"]) > 0
@@ -633,9 +640,9 @@ def test_prefill_ahead_then_the_request_reuses_it(served, gen):
     assert busiest["held_tokens"] > 0 and 0 < busiest["used_bytes"] < busiest["allocated_bytes"] == \
         state["cache"]["slot_bytes"]
     body = served.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4,
-                                                "temperature": 0}).json()
+                                                "temperature": 0, "specedge": {"exact": True}}).json()
     assert body["specedge"]["reused_tokens"] == body["usage"]["prompt_tokens"] - 1
-    cold = gen.generate(messages=messages, max_new_tokens=4, reuse_prefix=False).text
+    cold = gen.generate(messages=messages, max_new_tokens=4, reuse_prefix=False, exact=True).text
     assert body["choices"][0]["message"]["content"] == cold
 
 

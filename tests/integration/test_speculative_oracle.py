@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import PROMPT_IDS
+from exactness import assert_agrees, exact_holds
 from specedge.errors import VocabMismatchError
 from specedge.runtime.generator import Generator
 from tiny_models import edit_manifest, word
@@ -141,10 +142,11 @@ def test_every_drafter_equals_greedy(options, self_spec, baseline):
 def test_ngram_drafter_speculates_on_repetitive_output(arch_bundle, load_generator):
     """The tiny gpt2 loops on a few tokens, so prompt lookup finds long matches."""
     gen = load_generator(arch_bundle("gpt2"))
-    base = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=True)
+    exact = exact_holds(gen)  # its standard-attention graph is not row-invariant on every CPU
+    base = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, speculation=False, exact=exact)
     for k in (2, 5):
-        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="ngram", draft_tokens=k, exact=True)
-        assert result.token_ids == base.token_ids
+        result = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, drafter="ngram", draft_tokens=k, exact=exact)
+        assert_agrees(gen, PROMPT_IDS, base.token_ids, result.token_ids, exact=exact)
         assert result.stats.accepted > 0
         _check_stats(result.stats, N_TOKENS)
 

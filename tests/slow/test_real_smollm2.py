@@ -70,7 +70,7 @@ def test_baseline_equals_transformers_greedy(prompt, smollm2_generator, hf_smoll
     assert manifest.target.architecture == "llama" and manifest.draft.precision == "int4"
     ids = gen.encode_prompt(prompt)  # the bundle's chat template and tokenizer
     assert ids[-1] != ids[0] and len(ids) > 10
-    result = gen.generate(input_ids=ids, max_new_tokens=N_TOKENS, speculation=False)
+    result = gen.generate(input_ids=ids, max_new_tokens=N_TOKENS, speculation=False, exact=True)
     assert result.token_ids == _hf_greedy(hf_smollm2, ids, gen.eos_token_ids)
     assert len(result.text) > 20  # a real answer, not an empty string
 
@@ -80,8 +80,8 @@ def test_baseline_equals_transformers_greedy(prompt, smollm2_generator, hf_smoll
                          ids=["model-k4", "composite"])
 def test_speculative_greedy_equals_the_baseline(prompt, options, smollm2_generator):
     gen = smollm2_generator
-    base = gen.generate(prompt, max_new_tokens=N_TOKENS, speculation=False)
-    spec = gen.generate(prompt, max_new_tokens=N_TOKENS, **options)
+    base = gen.generate(prompt, max_new_tokens=N_TOKENS, speculation=False, exact=True)
+    spec = gen.generate(prompt, max_new_tokens=N_TOKENS, exact=True, **options)
     assert spec.token_ids == base.token_ids
     assert spec.text == base.text
     stats = spec.stats
