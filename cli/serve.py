@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from ..engines.base import PROVIDERS
-from ..server.limits import (DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE,
-                             DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
+from ..server.limits import (CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES,
+                             DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -18,8 +18,12 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               help="Address to bind. The default is loopback only; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="TCP port (0: any free port).")
-@click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (also $SPECEDGE_API_KEY).")
+@click.option("--api-key", "api_keys", envvar="SPECEDGE_API_KEY", multiple=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (also $SPECEDGE_API_KEY, keys separated by "
+              "spaces). Repeatable: one key per client, and clients with different keys never share cached "
+              "prompts (--cache-sharing).")
+@click.option("--api-key-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="Read more API keys from FILE, one per line ('#' comments and blank lines skipped).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the bundle folder's name).")
 @click.option("--queue-size", type=click.IntRange(min=0), default=DEFAULT_QUEUE_SIZE, show_default=True,
               help="Requests that may wait while one generates; the next gets 429.")
@@ -42,6 +46,13 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               "only its new tokens (least recently used evicted first).")
 @click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
               help="MB the conversation caches may take (default: --cache-slots alone decides).")
+@click.option("--cache-sharing", type=click.Choice(list(CACHE_SHARING)), default=DEFAULT_CACHE_SHARING,
+              show_default=True,
+              help="Which requests may reuse each other's cached prompt prefixes (a shared prefix is faster, "
+              "and that speed, like specedge.reused_tokens, tells a client what another sent): "
+              + "; ".join(f"{name}: {text}" for name, text in CACHE_SHARING.items())
+              + ". A request's cache_salt always separates it; without any key, all clients are one tenant "
+              "and only salts separate them.")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="File holding the K/V of a fixed prefix (--system-prompt): loaded at start when it exists "
               "(refused if saved for another bundle or setting), else computed and written, so a restart does "
@@ -51,10 +62,11 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
               "the cache; when given with an existing cache, the cache must hold exactly this prompt.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
-def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, queue_size: int,
-          max_body_bytes: int, threads: int, provider: str, no_speculation: bool, no_warmup: bool,
-          no_verify_checksums: bool, shutdown_grace: float, cache_slots: int, cache_memory: float | None,
-          prompt_cache: Path | None, system_prompt: str | None, log_level: str) -> None:
+def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key_file: Path | None,
+          model_name: str | None, queue_size: int, max_body_bytes: int, threads: int, provider: str,
+          no_speculation: bool, no_warmup: bool, no_verify_checksums: bool, shutdown_grace: float, cache_slots: int,
+          cache_memory: float | None, cache_sharing: str, prompt_cache: Path | None, system_prompt: str | None,
+          log_level: str) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
 
     \b
@@ -73,9 +85,10 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
 
     if system_prompt is not None and prompt_cache is None:
         raise click.BadParameter("is only used with --prompt-cache", param_hint="--system-prompt")
-    if api_key is not None and not api_key:
+    if any(not key.strip() for key in api_keys):
         raise click.BadParameter("must not be empty", param_hint="--api-key")
-    if host not in LOOPBACK and api_key is None:
+    keys = [key.strip() for key in api_keys] + _read_api_keys(api_key_file)
+    if host not in LOOPBACK and not keys:
         click.secho(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
                     fg="yellow", err=True)
     import logging
@@ -92,10 +105,24 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                                       cache_memory=None if cache_memory is None else int(cache_memory * 1e6))
     if prompt_cache is not None:
         server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt)))
-    app = create_app(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
-                     model_name=model_name, speculation=not no_speculation, warmup=not no_warmup)
+    app = create_app(generator, api_key=keys or None, queue_size=queue_size, max_body_bytes=max_body_bytes,
+                     model_name=model_name, speculation=not no_speculation, warmup=not no_warmup,
+                     cache_sharing=cache_sharing)
     SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),
                    grace_s=shutdown_grace).run()
+
+
+def _read_api_keys(path: Path | None) -> list[str]:
+    if path is None:
+        return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="--api-key-file") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise click.BadParameter(f"{path} holds no key", param_hint="--api-key-file")
+    return keys
 
 
 def _read_system_prompt(value: str | None) -> str | None:
@@ -107,28 +134,34 @@ def _read_system_prompt(value: str | None) -> str | None:
         raise click.BadParameter(f"cannot read {value[1:]}: {exc}", param_hint="--system-prompt") from None
 
 
+_CACHE = "--prompt-cache"
+
+
 def warm_prompt_cache(generator, path: Path, system_prompt: str | None) -> str:
     """Load ``path`` into a conversation slot, or compute and write it from ``system_prompt``.
 
     Returns a line for the log. A file that exists but cannot be used (another bundle or setting,
-    truncated, corrupt, holding another prompt) is refused with a ClickException, never overwritten:
-    the path may be someone else's file. Without the file and without a system prompt, refused too.
+    truncated, corrupt, holding another prompt) is refused as a bad --prompt-cache value (the CLI's
+    ``error: ...`` line and exit status 2), never overwritten: the path may be someone else's file.
+    Without the file and without a system prompt, refused too.
     """
     from ..errors import PromptCacheError
+    from ..runtime import prompt_cache
 
     messages = None if system_prompt is None else [{"role": "system", "content": system_prompt}]
     try:
-        if path.exists():
+        if prompt_cache.exists(path):  # typed, where Path.exists raises OSError on a name too long
             loaded = generator.load_prompt_cache(path)
             if messages is not None:
                 want = generator.codec.encode_chat(messages, add_generation_prompt=False)
                 if loaded["token_ids"] != want:
-                    raise click.ClickException(f"prompt cache {path} holds another prompt than --system-prompt; "
-                                               "delete it to rebuild it, or give another path")
+                    raise click.BadParameter(f"prompt cache {path} holds another prompt than --system-prompt; "
+                                             "delete it to rebuild it, or give another path", param_hint=_CACHE)
             return f"prompt cache {path}: loaded {loaded['tokens']} tokens"
         if messages is None:
-            raise click.ClickException(f"prompt cache {path} does not exist; pass --system-prompt to create it")
+            raise click.BadParameter(f"prompt cache {path} does not exist; pass --system-prompt to create it",
+                                     param_hint=_CACHE)
         saved = generator.save_prompt_cache(path, messages=messages)
         return f"prompt cache {path}: computed and saved {saved['tokens']} tokens ({saved['bytes'] / 1e6:.1f} MB)"
     except PromptCacheError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=_CACHE) from None

@@ -360,7 +360,7 @@ class Generator:
             return None if decoder.stopped_at is None else decoder.stopped_at + 1 - before
 
         with self._exclusive():
-            slot, reuse = self.slots.acquire(ids, config.exact, reuse=config.reuse_prefix)
+            slot, reuse = self.slots.acquire(ids, config.exact, salt=config.cache_salt, reuse=config.reuse_prefix)
             drafter = None if drafter_name is None else self._build_drafter(drafter_name, config, slot)
             # Exact: the batch-invariant target, whose plain steps take the verify's kernels; fast (default): 1 row.
             target = self.target if config.exact else self.target.inner
@@ -456,7 +456,8 @@ class Generator:
                                        f"{self.max_context}")
         # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
         # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
-        slot, reuse = self.slots.acquire(ids + [-1], config.exact, reuse=config.reuse_prefix)
+        slot, reuse = self.slots.acquire(ids + [-1], config.exact, salt=config.cache_salt,
+                                         reuse=config.reuse_prefix)
         target = self.target if config.exact else self.target.inner
         name, _ = self._drafter_and_controller(config)
         drafted = 0
@@ -503,6 +504,7 @@ class Generator:
                                      allow_special_tokens=config.allow_special_tokens)
         with self._exclusive():
             slot, _, _ = self._prefill(ids, config)
+            slot.publish()  # the operator's prefix, as a loaded one is: every cache salt may reuse it
             draft_tokens = slot.draft_prefix.contiguous()[:slot.draft_kv.length] if slot.draft_kv is not None else []
             size = prompt_cache.save(path, self._prompt_cache_key(config.exact), ids, slot.target_kv,
                                      draft_tokens, slot.draft_kv)
@@ -535,6 +537,7 @@ class Generator:
                 slot.drop()
                 raise
             slot.keep(loaded.tokens, exact)
+            slot.publish()  # the operator's prefix: every cache salt may reuse it (only it)
         return {"tokens": len(loaded.tokens), "draft_tokens": len(loaded.draft_tokens),
                 "token_ids": list(loaded.tokens)}
 

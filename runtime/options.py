@@ -104,6 +104,9 @@ def check(name: str, value: Any, *, where: str | None = None) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
                 or not _in_bounds(opt, value):
             raise InvalidParameterError(f"{where} must be a number in {interval(opt)}{none}; got {value!r}")
+    elif opt.kind is str and opt.choices is None:  # free text (cache_salt)
+        if not isinstance(value, str) or not value or not _valid_text(value):
+            raise InvalidParameterError(f"{where} must be a non-empty string{none}; got {value!r}")
     elif opt.kind is str:
         if not isinstance(value, str) or value not in opt.choices:
             raise InvalidParameterError(f"{where} must be one of {', '.join(opt.choices)}{none}; got {value!r}")
@@ -188,6 +191,11 @@ class GenerationConfig:
                          "verify's kernels (costs 1.2-1.4x a plain step on int4 CPU bundles, ~1.05x on fp32). "
                          "Off: 1-row plain steps; greedy speculation then equals plain decoding up to near "
                          "ties of the target's top-2 logits.", bool, server=True)
+    # Conversation slots (runtime/slots.py) written under one salt are never reused, not even their
+    # prefix, by a call with another, so neither reused_tokens nor timing tells one tenant what another
+    # sent. None is one namespace too. vLLM's request field; the server sends it top-level.
+    cache_salt: str | None = option(None, "Only calls with the same cache salt share cached prompt prefixes.",
+                                    str, nullable=True, cli=None)
 
     def __post_init__(self) -> None:
         for name in OPTIONS:

@@ -6,9 +6,19 @@ position; the next call keeps the longest common token prefix and prefills only 
 (rewinding is a length change), and the draft model keeps its own prefix the same way. This is
 llama.cpp's server ``cache_prompt`` and vLLM's prefix caching, for one device and batch 1.
 
-A pool bounds the slots by count and by bytes. A call takes the slot sharing the longest prefix
-with its prompt (most recently used on ties); with no useful match it takes a free slot, or
-evicts the least recently used one. There is no conversation id to manage.
+A pool bounds the slots by count and by bytes. Slots follow conversations: a call takes a slot
+only when its prompt *continues* what the slot holds (all but :data:`CONTINUATION_SLACK` of its
+tokens), or branches off the slot's latest turn (an edited or regenerated last message, a final
+transcript after an interim prefill); the longest such match wins, most recently used on ties.
+Otherwise it takes a free slot, or else evicts the least recently used one (keeping whatever prefix
+that slot shares with the prompt). A mere shared system prompt is no reason to take a slot: that
+would throw away another conversation's cache to save the system prompt's prefill, and every
+interleaved caller would end up in one slot. There is no conversation id to manage.
+
+Isolation: each slot remembers the cache salt (namespace) it was written under. A call with another
+salt reuses nothing of it, not even a prefix (so ``reused_tokens`` counts only tokens its own salt
+wrote); None is a salt like any other. The one exception is a prefix the operator published (a
+loaded prompt cache, :meth:`CacheSlot.publish`): every salt may reuse that, and only that.
 
 Exactness: a slot's prefix was computed by the same graph with the same per-row kernels (every
 target forward runs >= 2 rows by default, engines/invariant.py), so a reply that reuses it is the
@@ -26,6 +36,13 @@ import numpy as np
 from ..engines.base import KVCache
 from ..errors import InvalidParameterError
 from ..manifest import Manifest, ModelEntry
+
+
+# A prompt continues a slot's conversation when it keeps all but at most this many of the slot's
+# tokens: a reply's last tokens can come back re-encoded differently, a stop string's tokens are
+# dropped by the client, an interim transcript's last words change. A different conversation with
+# the same system prompt discards the other's whole first turn (its reply alone is longer).
+CONTINUATION_SLACK = 8
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -107,7 +124,10 @@ class CacheSlot:
     ``tokens``: the token id at each position of ``target_kv`` (len == target_kv.length once a
     call has ended). ``draft_prefix``: what the draft cache holds (:class:`DraftPrefix`), kept up
     to date by the model drafter (runtime/model_drafter.py). ``exact``: whether the target cache was
-    written with batch-invariant steps (None: empty).
+    written with batch-invariant steps (None: empty). ``salt``: the cache salt of the calls that
+    wrote it; ``shared``: its leading tokens any salt may reuse (a published prefix, else 0).
+    ``base``: the tokens the latest call found already held when it continued this slot's
+    conversation (0 when that call started a conversation here): its new material begins there.
     """
 
     target_kv: KVCache
@@ -116,6 +136,9 @@ class CacheSlot:
     draft_prefix: DraftPrefix = field(default_factory=DraftPrefix)
     exact: bool | None = None
     last_used: int = 0
+    salt: str | None = None
+    shared: int = 0
+    base: int = 0
 
     def drop(self) -> None:
         """Forget everything (after a failed forward: the cache may be half-written)."""
@@ -125,13 +148,40 @@ class CacheSlot:
         self.tokens.clear()
         self.draft_prefix.clear()
         self.exact = None
+        self.salt, self.shared, self.base = None, 0, 0
 
-    def reusable(self, prompt: Sequence[int], exact: bool) -> int:
-        """How many leading prompt tokens this slot's target cache already holds (>= 1 token is
-        always left to compute, so the call gets the last position's logits)."""
+    def reusable(self, prompt: Sequence[int], exact: bool, salt: str | None = None) -> int:
+        """How many leading prompt tokens this slot's target cache already holds for a call with
+        cache salt ``salt`` (another salt may reuse only the published prefix; >= 1 token is always
+        left to compute, so the call gets the last position's logits)."""
         if self.exact is not exact:
             return 0
-        return min(common_prefix(self.tokens, prompt), len(prompt) - 1, self.target_kv.length)
+        n = min(common_prefix(self.tokens, prompt), len(prompt) - 1, self.target_kv.length)
+        return n if salt == self.salt else min(n, self.shared)
+
+    def follows(self, reusable: int) -> bool:
+        """Whether a prompt that reuses ``reusable`` of this slot's tokens is this slot's conversation:
+        it continues what the slot holds (discarding at most CONTINUATION_SLACK tokens), or branches
+        off inside the latest turn (it keeps everything that turn found held, and more)."""
+        if reusable <= 0:
+            return False
+        return reusable >= len(self.tokens) - CONTINUATION_SLACK or 0 < self.base < reusable
+
+    def take(self, reusable: int, salt: str | None, *, continues: bool) -> None:
+        """Hand this slot to a call with cache salt ``salt`` that reuses ``reusable`` of its tokens.
+        Under another salt, everything past the reusable (published) prefix is forgotten at once,
+        the draft cache's included, so nothing of it can reach the call, even as timing."""
+        if salt != self.salt:
+            del self.tokens[reusable:]
+            self.draft_prefix.set(self.draft_prefix.contiguous()[:reusable])
+            self.salt = salt
+        self.shared = min(self.shared, reusable)
+        # A call that reuses only the published prefix starts a conversation, as one in a free slot does.
+        self.base = reusable if continues and reusable > self.shared else 0
+
+    def publish(self) -> None:
+        """Let every salt reuse what this slot holds now (an operator's prefix: a loaded prompt cache)."""
+        self.shared = len(self.tokens)
 
     def keep(self, committed: Sequence[int], exact: bool) -> None:
         """Record what the target cache holds after a call: the committed tokens it has K/V for.
@@ -140,6 +190,7 @@ class CacheSlot:
         self.target_kv.rewind(self.target_kv.length - held)
         self.tokens[:] = committed[:held]
         self.exact = exact
+        self.shared = min(self.shared, held)
 
     def nbytes(self) -> int:
         """Bytes allocated for this slot (both caches at max_context)."""
@@ -173,15 +224,19 @@ class SlotPool:
         self.max_slots = max_slots if max_bytes is None else min(max_slots, max_bytes // per_slot)
         self._clock = 0
 
-    def acquire(self, prompt: Sequence[int], exact: bool, *, reuse: bool = True) -> tuple[CacheSlot, int]:
-        """The slot for ``prompt`` and how many of its tokens it already holds."""
+    def acquire(self, prompt: Sequence[int], exact: bool, *, salt: str | None = None,
+                reuse: bool = True) -> tuple[CacheSlot, int]:
+        """The slot for ``prompt`` (written under cache salt ``salt``) and how many of its tokens it
+        already holds: the slot whose conversation the prompt follows (longest match, most recently
+        used on ties); else a free slot; else the least recently used one."""
         self._clock += 1
         best, best_len = None, 0
         if reuse:
             for slot in self.slots:
-                n = slot.reusable(prompt, exact)
-                if n > best_len or (n == best_len and best is not None and n and slot.last_used > best.last_used):
+                n = slot.reusable(prompt, exact, salt)
+                if slot.follows(n) and (n > best_len or (n == best_len and slot.last_used > best.last_used)):
                     best, best_len = slot, n
+        continues = best is not None
         if best is None:
             empty = [s for s in self.slots if not s.tokens]
             if empty:  # a slot that holds nothing (the first one, a dropped one) costs no eviction
@@ -189,9 +244,10 @@ class SlotPool:
             elif len(self.slots) < self.max_slots:
                 best = self._new_slot()
                 self.slots.append(best)
-            else:
-                best = min(self.slots, key=lambda s: s.last_used)  # least recently used
-            best_len = 0
+            else:  # evict the least recently used; what it shares with the prompt is still good
+                best = min(self.slots, key=lambda s: s.last_used)
+                best_len = best.reusable(prompt, exact, salt) if reuse else 0
+        best.take(best_len, salt, continues=continues)
         if not reuse:
             best.draft_prefix.clear()  # a cold start for the draft model too
         best.last_used = self._clock

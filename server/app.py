@@ -5,7 +5,8 @@ Routes::
     POST /v1/chat/completions   messages -> chat.completion (or SSE chat.completion.chunk)
     POST /v1/completions        prompt   -> text_completion (or SSE text_completion chunks)
     GET  /v1/models             the one model served
-    GET  /health                liveness + queue state (no API key needed)
+    GET  /health                liveness + queue state (no API key needed); the cache slots'
+                                details only to a caller with a valid key (anyone when no key is set)
 
 Every error is answered in OpenAI's format with a 4xx status when the client
 caused it: 400 bad parameters or JSON, 401 API key, 404 model or route, 408 body
@@ -16,6 +17,10 @@ queues and streams.
 Nothing slow runs on the event loop: JSON decoding, validation, the chat template
 (which has its own time budget) and tokenisation run on a small parse pool, so one
 large body or a slow template never stalls /health or other streams.
+
+Cache isolation: every request runs under a cache namespace (runtime/slots.py), so one client's
+cached conversation is never reused, not even its prefix, by another's request: by default one per
+(API key, ``cache_salt``) pair; ``cache_sharing`` picks the policy (limits.CACHE_SHARING).
 
 Graceful shutdown (``begin_shutdown``, called by server/serving.py on SIGTERM before
 uvicorn stops): new requests get 503, queued ones 503, and the running one may
@@ -29,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
 import time
+from typing import Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -43,7 +50,7 @@ from starlette.routing import Route
 from ..errors import SpecedgeError
 from ..runtime.generator import Generator
 from . import protocol
-from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
+from .limits import CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
 from .protocol import APIError, ParsedRequest
 from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 
@@ -92,11 +99,13 @@ class _EventStream(StreamingResponse):
 class _Server:
     """The route handlers, closed over one generator and one worker."""
 
-    def __init__(self, generator: Generator, *, api_key: str | None, queue_size: int, max_body_bytes: int,
-                 model_name: str, speculation: bool, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+    def __init__(self, generator: Generator, *, api_keys: tuple[str, ...], queue_size: int, max_body_bytes: int,
+                 model_name: str, speculation: bool, body_timeout_s: float = BODY_TIMEOUT_S,
+                 cache_sharing: str = "key") -> None:
         self.generator = generator
         self.body_timeout_s = body_timeout_s
-        self.api_key = api_key
+        self.api_keys = api_keys
+        self.cache_sharing = cache_sharing
         self.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.speculation = speculation
@@ -118,14 +127,36 @@ class _Server:
         asyncio.get_running_loop().call_later(grace_s, self.worker.cut_running)
 
     # ----------------------------------------------------------------- checks
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def _tenant(self, request: Request) -> str | None:
+        """Which configured key the request sends ("key<i>"), or None when it sends none of them."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        sent = token.strip().encode()
+        found = None
+        for i, key in enumerate(self.api_keys):  # every key compared: the time taken names none of them
+            # compare_digest: the time taken must not reveal how much of the key matched.
+            if hmac.compare_digest(sent, key.encode()) and scheme.lower() == "bearer":
+                found = f"key{i}"
+        return found
+
+    def _authorize(self, request: Request) -> str | None:
+        """401 unless the request sends a configured key (none configured: everyone passes). Returns
+        the caller's tenant for cache isolation: None with at most one key (one tenant)."""
+        if not self.api_keys:
+            return None
+        tenant = self._tenant(request)
+        if tenant is None:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return tenant if len(self.api_keys) > 1 else None
+
+    def _isolate(self, req: ParsedRequest, tenant: str | None) -> ParsedRequest:
+        """The request under its cache namespace (the sharing policy's), or with no cache reuse at all."""
+        if self.cache_sharing == "none":
+            config = dataclasses.replace(req.config, reuse_prefix=False, reply_memory=False)
+        else:
+            config = dataclasses.replace(req.config, cache_salt=protocol.cache_namespace(
+                self.cache_sharing, tenant, req.config.cache_salt))
+        return dataclasses.replace(req, config=config)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, bounded in size (413) and in time (408)."""
@@ -159,8 +190,13 @@ class _Server:
             raise APIError(400, "the request body nests too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return protocol.parse_request(kind, data, self.generator, model_name=self.model_name,
-                                      speculation=self.speculation)
+        try:
+            return protocol.parse_request(kind, data, self.generator, model_name=self.model_name,
+                                          speculation=self.speculation)
+        except StopIteration as exc:
+            # asyncio refuses to set a StopIteration on run_in_executor's Future ("cannot be raised into
+            # a Future"): the request would wait forever, holding its connection. Answered 500 instead.
+            raise RuntimeError("parsing the request raised StopIteration") from exc
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -169,10 +205,13 @@ class _Server:
 
     # ----------------------------------------------------------------- routes
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.model_name, "speculation": self.speculation,
-                             "drafter": self.generator.manifest.speculation.drafter
-                             if self.speculation else "none", **self.worker.status(),
-                             "cache": self.generator.slots.describe()})
+        state = {"status": "ok", "model": self.model_name, "speculation": self.speculation,
+                 "drafter": self.generator.manifest.speculation.drafter if self.speculation else "none",
+                 **self.worker.status()}
+        # The slots' held tokens tell how long others' conversations are: for callers with a key only.
+        if not self.api_keys or self._tenant(request) is not None:
+            state["cache"] = self.generator.slots.describe()
+        return JSONResponse(state)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specedge",
@@ -196,11 +235,11 @@ class _Server:
         return await self._complete(request, "completion")
 
     async def _complete(self, request: Request, kind: str):
-        self._authorize(request)
+        tenant = self._authorize(request)
         self._refuse_if_draining()
         raw = await self._body(request)
         loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(self.parse_pool, self._parse, kind, raw)
+        req = self._isolate(await loop.run_in_executor(self.parse_pool, self._parse, kind, raw), tenant)
         job = Job(loop, req.prompt_ids, req.config, name=req.id)
         try:
             self.worker.submit(job)
@@ -222,11 +261,11 @@ class _Server:
         """POST /v1/specedge/prefill: a chat-completions body whose conversation is pushed into a cache
         slot ahead of the real request (e.g. on each interim speech-to-text result). Answers 202 at
         once; the prefill runs when no generation waits."""
-        self._authorize(request)
+        tenant = self._authorize(request)
         self._refuse_if_draining()
         raw = await self._body(request)
         loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(self.parse_pool, self._parse, "chat", raw)
+        req = self._isolate(await loop.run_in_executor(self.parse_pool, self._parse, "chat", raw), tenant)
         job = Job(loop, req.prompt_ids, req.config, name=req.id, prefill=True)
         try:
             self.worker.submit_prefill(job)
@@ -296,12 +335,17 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(err)
 
 
-def create_app(generator: Generator, *, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
-               speculation: bool = True, warmup: bool = True, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = None,
+               queue_size: int = DEFAULT_QUEUE_SIZE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               model_name: str | None = None, speculation: bool = True, warmup: bool = True,
+               body_timeout_s: float = BODY_TIMEOUT_S, cache_sharing: str = DEFAULT_CACHE_SHARING) -> Starlette:
     """An OpenAI-compatible app serving ``generator``.
 
-    ``api_key``: when set, /v1/* needs ``Authorization: Bearer <api_key>``.
+    ``api_key``: a key, or several (one per client); when set, /v1/* needs
+    ``Authorization: Bearer <one of them>``, and /health shows the cache slots only to such callers.
+    ``cache_sharing``: which requests may reuse each other's cached prompt prefixes
+    (limits.CACHE_SHARING): "key" (default) the same key and cache_salt, "salt" the same
+    cache_salt, "none" no two requests.
     ``queue_size``: requests that may wait while one generates; more get 429.
     ``max_body_bytes``: larger request bodies get 413.
     ``model_name``: the id clients pass as ``model`` (default: the bundle folder's name).
@@ -312,11 +356,14 @@ def create_app(generator: Generator, *, api_key: str | None = None, queue_size: 
     """
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1; got {max_body_bytes!r}")
-    if api_key is not None and not api_key:
-        raise ValueError("api_key must be a non-empty string or None")
-    server = _Server(generator, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(dict.fromkeys(api_key))
+    if (api_key is not None and not keys) or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("api_key must be a non-empty string, a list of them, or None")
+    if cache_sharing not in CACHE_SHARING:
+        raise ValueError(f"cache_sharing must be one of {', '.join(CACHE_SHARING)}; got {cache_sharing!r}")
+    server = _Server(generator, api_keys=keys, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name or generator.bundle.name, speculation=speculation,
-                     body_timeout_s=body_timeout_s)
+                     body_timeout_s=body_timeout_s, cache_sharing=cache_sharing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

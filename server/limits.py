@@ -11,3 +11,13 @@ MAX_SHUTDOWN_GRACE_S = 3600.0  # a longer grace is a typo: a supervisor would ki
 # Conversations whose caches `specedge serve` keeps: a voice agent talks to a few callers at once,
 # and each slot costs the target's and the draft's caches at max_context (`specedge info` prices them).
 DEFAULT_CACHE_SLOTS = 4
+# Which requests may reuse each other's cached prompt prefixes (`specedge serve --cache-sharing`). A
+# request's cache_salt always separates it from other salts, whatever the policy.
+CACHE_SHARING = {
+    "key": "only requests with the same API key and the same cache_salt share cached prefixes",
+    "salt": "only requests with the same cache_salt share cached prefixes, whatever their API key",
+    "none": "no request reuses another's cached prefix (every prompt is prefilled in full, and the suffix "
+            "drafter's reply memory is off)",
+}
+# The default lets no client learn another's prompt from reused_tokens or timing (README: cache sharing).
+DEFAULT_CACHE_SHARING = "key"

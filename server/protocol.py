@@ -15,6 +15,7 @@ Conventions taken from the OpenAI API:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ..errors import ChatTemplateError, ContextOverflowError, InvalidParameterEr
 from ..runtime.drafters import needs_draft_model
 from ..runtime.generator import GenerationConfig, GenerationResult
 from ..runtime.options import OPTIONS, check
+from .limits import CACHE_SHARING
 from .worker import ShuttingDown
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; greedy is temperature=0
@@ -60,7 +62,7 @@ _NEUTRAL_COMPLETIONS: dict[str, tuple] = {
 # Labels that change nothing about the output: validated, then ignored.
 _INFORMATIONAL = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "n", "specedge"} | set(_INFORMATIONAL)
+           "n", "specedge", "cache_salt"} | set(_INFORMATIONAL)
 _CHAT_KNOWN = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL_CHAT)
 _COMPLETIONS_KNOWN = _COMMON | {"prompt"} | set(_NEUTRAL_COMPLETIONS)
 
@@ -215,6 +217,26 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
     return out
 
 
+def _cache_salt(body: dict) -> str | None:
+    """The request's ``cache_salt`` (vLLM's field): a non-empty string, or None."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _bad("cache_salt", f"cache_salt must be a non-empty string; got {salt!r}")
+    return salt
+
+
+def cache_namespace(sharing: str, tenant: str | None, salt: str | None) -> str | None:
+    """The cache salt a request runs under (runtime/slots.py: slots written under one are never reused
+    under another), from the server's ``sharing`` policy (:data:`CACHE_SHARING`), the caller's
+    ``tenant`` (which API key it sent; None when the server has at most one key) and its own ``salt``.
+    Different (tenant, salt) pairs never map to one namespace."""
+    if sharing not in CACHE_SHARING or sharing == "none":
+        raise ValueError(f"no namespace under cache sharing {sharing!r}")
+    if sharing == "salt" or tenant is None:
+        return salt
+    return json.dumps([tenant, salt])  # injective: a client's salt cannot spell another tenant's namespace
+
+
 def _model(body: dict, model_name: str) -> str:
     model = body.get("model")
     if model is None:
@@ -243,7 +265,7 @@ def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool
             raise _bad(name, f"{name} must be {'a string' if kind is str else 'an object'}")
     try:
         return GenerationConfig(
-            max_new_tokens=max_tokens,
+            cache_salt=_cache_salt(body), max_new_tokens=max_tokens,
             temperature=OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed, stop=_option(body, "stop") or (),
             chat=chat, **_speculation(body, server_speculation=server_speculation, has_draft=has_draft))
