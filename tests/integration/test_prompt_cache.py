@@ -9,6 +9,10 @@
   a truncated, corrupt, foreign or pickled file, a missing header, another format version,
   out-of-range tokens, wrong array shapes, a missing path or a directory; saving into a
   missing folder or onto a directory.
+- A file edited after its save is refused by its sha256 (issue #41 item 3): another prompt's
+  token list put in its header would otherwise answer that prompt's conversation with this
+  prompt's K/V; a NaN array would otherwise decode empty text. tests/unit/test_prompt_cache_file.py
+  covers the format itself (every kind of tampering, sizes checked before allocation, names).
 - ``specedge serve --prompt-cache`` creates the file from --system-prompt, loads it on restart,
   and refuses a file holding another prompt or none to create it from.
 """
@@ -17,18 +21,19 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 
 import numpy as np
 import pytest
 
 from conftest import PROMPT_IDS
+from exactness import assert_agrees
 
 PREFIX = list(range(30, 70))  # a 40-token "system prompt"
 TURN = [80, 81, 82, 83, 84]
 
 
-from exactness import assert_agrees
 @pytest.fixture
 def fresh():
     from specedge.runtime.generator import Generator
@@ -145,7 +150,7 @@ def _pickled(path):
     (_corrupt, "is truncated or corrupt"),
     (lambda p: p.write_text("not a cache"), "is truncated or corrupt"),
     (lambda p: p.write_bytes(b"\x80\x04\x95" + b"\x00" * 64), "is truncated or corrupt"),  # a pickle stream
-    (_pickled, "is truncated or corrupt"),  # an object array: allow_pickle=False refuses it
+    (_pickled, r"header is object \[1\], expected a uint8 vector"),  # an object array: never unpickled
     (lambda p: _rewrite(p, drop=("header",)), "has no header"),
     (lambda p: _rewrite(p, header=lambda h: h.update(format="llama.cpp")), "is not a specedge prompt cache"),
     (lambda p: _rewrite(p, header=lambda h: h.update(version=99)), "has format version 99"),
@@ -166,6 +171,35 @@ def test_an_unusable_file_is_refused_and_no_slot_changes(int4_bundle, fresh, sav
         gen.load_prompt_cache(saved, exact=True)
     again = gen.generate(input_ids=PROMPT_IDS + first.token_ids, max_new_tokens=2, speculation=False)
     assert again.stats.reused_tokens == len(PROMPT_IDS) + len(first.token_ids) - 1  # the conversation is intact
+
+
+def test_another_prompts_token_list_is_refused(int4_bundle, fresh, saved, tmp_path):
+    """The issue's attack: prompt A's file with prompt B's token list in its header loaded and served
+    B's conversation from A's K/V. The sha256 binds the token list to the arrays."""
+    from specedge.errors import PromptCacheError
+
+    other = tmp_path / "other.cache"
+    other_prefix = list(range(130, 130 + len(PREFIX)))
+    fresh(int4_bundle).save_prompt_cache(other, input_ids=other_prefix, exact=True)
+    with np.load(other, allow_pickle=False) as archive:
+        header = json.loads(archive["header"].tobytes())
+    _rewrite(saved, header=lambda h: h.update(tokens=header["tokens"], draft_tokens=header["draft_tokens"]))
+    gen = fresh(int4_bundle)
+    with pytest.raises(PromptCacheError, match=r"its sha256 does not match its header \(key, token lists\) and arrays"):
+        gen.load_prompt_cache(saved, exact=True)
+    assert gen.load_prompt_cache(other, exact=True)["token_ids"] == other_prefix  # the untouched file still loads
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_kv_is_refused(int4_bundle, fresh, saved, value):
+    """A NaN K array used to load and decode empty text to max_new_tokens, with no NonFiniteLogitsError."""
+    from specedge.errors import PromptCacheError
+
+    with np.load(saved, allow_pickle=False) as archive:
+        poisoned = np.full_like(archive["target.k.0"], value)
+    _rewrite(saved, replace={"target.k.0": poisoned})
+    with pytest.raises(PromptCacheError, match=rf"target\.k\.0 holds {poisoned.size} NaN or infinite values"):
+        fresh(int4_bundle).load_prompt_cache(saved, exact=True)
 
 
 def test_paths_are_refused_sensibly(int4_bundle, fresh, tmp_path):
@@ -212,3 +246,27 @@ def test_serve_creates_loads_and_refuses_prompt_caches(int4_bundle, fresh, tmp_p
     with pytest.raises(click.ClickException, match="truncated or corrupt"):
         warm_prompt_cache(fresh(int4_bundle), path, system)
     assert path.stat().st_size > 0  # a refused file is never overwritten
+
+
+@pytest.mark.parametrize("case", ["tampered", "long-name"])
+def test_serve_refuses_a_bad_prompt_cache_with_one_error_line_and_exit_2(int4_bundle, fresh, tmp_path, case):
+    """`specedge serve --prompt-cache FILE` with a file it must refuse: the README's one `error:` line
+    and exit status 2 before any server starts, no traceback, and the file is left as it was."""
+    from click.testing import CliRunner
+
+    from specedge.cli.main import main
+
+    if case == "tampered":  # saved as serve loads it (its default settings), then another token list put in
+        path = tmp_path / "serve.cache"
+        fresh(int4_bundle).save_prompt_cache(path, input_ids=PREFIX)
+        _rewrite(path, header=lambda h: h.update(tokens=PREFIX[::-1], draft_tokens=PREFIX[::-1]))
+        message, before = r"its sha256 does not match", path.read_bytes()
+    else:
+        path, message, before = tmp_path / ("c" * 300), r"the name 'c{24}…' is 300 bytes", None
+    result = CliRunner().invoke(main, ["serve", str(int4_bundle), "--prompt-cache", str(path), "--threads", "1",
+                                       "--no-warmup", "--port", "0"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), result.stderr
+    assert "Traceback" not in result.output
+    assert before is None or path.read_bytes() == before
