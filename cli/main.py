@@ -119,7 +119,8 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
               "catalog name (see `specedge fetch --list`).")
 @click.option("--draft", default=None, help="Draft model (same kinds as --target), or 'self-int4' / 'self-int8' "
               "for a quantized copy of the target. Omit for n-gram speculation only.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write (checked before "
+              "the export starts; a symlink, even a dangling one, is followed: the bundle is written where it points).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
               show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits).")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,

@@ -321,7 +321,14 @@ def export_bundle(config: ExportConfig) -> Manifest:
     """Run the whole export; return the manifest of the bundle written to ``config.out``."""
     from .loader import load_source
 
-    out = Path(config.out)
+    from .preflight import check_out, check_source
+
+    # Before anything loads: a bad --out or source fails in milliseconds, not after the export.
+    # --out comes back resolved: a symlink (dangling or not) is written through (export/preflight.py).
+    out = check_out(Path(config.out))
+    check_source(config.target, "target")
+    if config.draft is not None and config.draft not in SELF_DRAFTS:
+        check_source(config.draft, "draft")
     clean_stale_siblings(out)  # first: it may put back a bundle a killed export had set aside
     if out.exists() and not config.overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")

@@ -78,9 +78,13 @@ def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
         return out, f"gguf:{path.name}"
     _log(f"converting {path.name} from GGUF (dequantizing; cached after this run)", quiet)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                 trust_remote_code=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
+    except Exception as exc:  # a corrupt body past a sound header: gguf's reader raises struct.error, ValueError...
+        lines = str(exc).strip().splitlines() or [""]
+        raise ExportError(f"cannot read GGUF file {path}: {type(exc).__name__}: {lines[0][:300]}") from None
     # save_pretrained refuses a GGUF-loaded model while it still carries the quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
