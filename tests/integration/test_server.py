@@ -99,8 +99,10 @@ class Served:
         content = body if isinstance(body, (bytes, str)) else json.dumps(body)
         return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
 
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+    def health(self, key: str | None = API_KEY) -> dict:
+        """GET /health; the cache slots' details come only with a valid key."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/health", headers=headers, timeout=10).json()
 
     def wait_for(self, predicate, timeout: float = 5.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -177,8 +179,9 @@ def _error(response: httpx.Response, status: int, param: str | None = "any") -> 
 # ----------------------------------------------------------------------------- equality with generate()
 def test_startup_ran_warmup_and_health_and_models(served):
     assert served.warmups == [1]
-    health = served.health()  # no key needed: load balancers probe it
+    health = served.health(key=None)  # no key needed: load balancers probe it
     assert health["status"] == "ok" and health["model"] == MODEL and health["busy"] is False
+    assert "cache" not in health and "cache" in served.health()  # what the slots hold: for a key only
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert served.client().models.retrieve(MODEL).id == MODEL
@@ -614,7 +617,9 @@ def test_serve_command_passes_its_options_to_the_app(gen, monkeypatch):
     assert ran["grace"] == 7.0 and ran["config"].timeout_graceful_shutdown > 7
     assert ran["config"].limit_concurrency == serving.MAX_CONNECTIONS
     server = ran["app"].state.server
-    assert (server.api_key, server.worker.queue_size, server.max_body_bytes, server.model_name) == ("k1", 3, 999, "m")
+    assert (server.api_keys, server.worker.queue_size, server.max_body_bytes, server.model_name) == (("k1",), 3, 999,
+                                                                                                      "m")
+    assert server.cache_sharing == "key"  # the default: clients with different keys or salts share nothing
     assert server.speculation is False and server.generator.draft is None  # the baseline loads no draft
 
 
