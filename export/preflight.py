@@ -122,7 +122,8 @@ def check_source(src: str, role: str) -> None:
     except OSError as exc:
         raise ExportError(f"--{role} {src}: {exc.strerror or exc}") from None
     if not exists:
-        raise ExportError(f"--{role} {src!r} is neither an existing path nor a catalog model ({', '.join(CATALOG)})")
+        raise ExportError(f"source {src!r} (--{role}) is neither an existing path nor a catalog model "
+                          f"({', '.join(CATALOG)})")
     if not is_file:
         return
     if path.suffix != ".gguf":

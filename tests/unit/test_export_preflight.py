@@ -165,8 +165,8 @@ def test_a_broken_gguf_is_refused_naming_the_file(tmp_path, data, message):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_missing_and_non_gguf_sources_are_refused_by_role(tmp_path, source, role):
     (tmp_path / "weights.bin").write_bytes(b"\x80\x04")
-    for src, message in ((tmp_path / "nowhere", rf"--{role} '.*nowhere' is neither an existing path nor a catalog "
-                                                "model"),
+    for src, message in ((tmp_path / "nowhere", rf"source '.*nowhere' \(--{role}\) is neither an existing path nor "
+                                                "a catalog model"),
                          (tmp_path / "weights.bin", rf"--{role} .*weights\.bin is a file but not a \.gguf"),
                          (tmp_path / ("d" * 300), rf"--{role} refused: the name 'd{{24}}…' is 300 bytes")):
         options = {"target": str(src)} if role == "target" else {"target": str(source), "draft": str(src)}
