@@ -12,6 +12,7 @@ out, for callers who build control sequences on purpose.
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Sequence
@@ -99,27 +100,42 @@ class TextCodec:
                     add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; control tokens only from the template's markup.
 
-        How: every control-token string inside a message is swapped for a placeholder
-        before rendering. The rendered text is then cut at the control tokens the template
-        wrote (encoded as those tokens); the text between them, with the user's
-        control-token text put back, is encoded with special-token matching off. Without
-        such text in any message this is exactly ``encode(render_chat(messages))``.
+        How: every control-token string inside a message (content or role) is swapped for a
+        placeholder ``D<i>D`` before rendering, where ``D`` is a delimiter that occurs nowhere in
+        the input (:func:`_delimiter`). The rendered text is then cut at the control tokens the
+        template wrote (encoded as those tokens); the text between them, with the user's
+        control-token text put back, is encoded with special-token matching off. The cut is
+        checked: the hidden rendering with every placeholder put back must equal the rendering
+        of the original messages (a template that rewrites message text is refused with
+        InvalidParameterError). Without such text in any message this is exactly
+        ``encode(render_chat(messages))``.
         """
         messages = _checked_messages(messages)
         if allow_special_tokens or self._special_re is None or \
-                not any(self._special_re.search(m["content"]) for m in messages):
+                not any(self._special_re.search(m["content"]) or self._special_re.search(m["role"])
+                        for m in messages):
             return self.encode(self._render(messages, add_generation_prompt))
-        # A placeholder delimiter that occurs in no message and not in the template.
-        taken = set(self.chat_template or "").union(*(m["content"] for m in messages))
-        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in taken)
+        original = self._render(messages, add_generation_prompt)
+        mark = _delimiter([self.chat_template or "", original, *(m["content"] for m in messages),
+                           *(m["role"] for m in messages)])
         found: list[str] = []
 
         def hide(match: re.Match) -> str:
             found.append(match.group(0))
             return f"{mark}{len(found) - 1}{mark}"
 
-        hidden = [{**m, "content": self._special_re.sub(hide, m["content"])} for m in messages]
-        rendered = self._render(hidden, add_generation_prompt)
+        hidden = [{**m, "role": self._special_re.sub(hide, m["role"]),
+                   "content": self._special_re.sub(hide, m["content"])} for m in messages]
+        parts = re.split(f"{re.escape(mark)}([0-9]+){re.escape(mark)}", self._render(hidden, add_generation_prompt))
+        # The check that makes the cut trustworthy: every placeholder came back whole (no stray
+        # delimiter, no index the messages did not produce) and putting the user's text back
+        # gives exactly what the template renders from the original messages.
+        if any(mark in part for part in parts[::2]) or any(int(i) >= len(found) for i in parts[1::2]) or \
+                "".join(found[int(p)] if i % 2 else p for i, p in enumerate(parts)) != original:
+            raise InvalidParameterError(
+                "messages hold control-token text (such as " + repr(found[0]) + ") and this bundle's chat template "
+                "does not copy message text verbatim, so it cannot be encoded as plain text; remove it from the "
+                "messages, or pass allow_special_tokens to read it as markup")
         ids: list[int] = []
         text: list[str] = []  # plain text since the last control token the template wrote
 
@@ -128,9 +144,9 @@ class TextCodec:
                 ids.extend(self._plain().encode("".join(text), add_special_tokens=False).ids)
                 text.clear()
 
-        for i, part in enumerate(re.split(f"{mark}(\\d+){mark}", rendered)):
+        for i, part in enumerate(parts):
             if i % 2:  # a placeholder: the user's control-token text, as text
-                text.append(found[int(part)] if int(part) < len(found) else part)
+                text.append(found[int(part)])
                 continue
             pos = 0
             for match in self._special_re.finditer(part):  # the template's own control tokens
@@ -141,6 +157,38 @@ class TextCodec:
             text.append(part[pos:])
         flush()
         return self._bos(ids)
+
+
+# The delimiter's alphabet: Unicode's private use area (U+E000..U+F8FF), which no tokenizer's
+# markup uses. U+E000 opens it and U+E001 closes it; the n characters between come from the rest.
+_OPEN, _CLOSE, _INNER = "\ue000", "\ue001", range(0xE002, 0xF900)
+
+
+def _delimiter(texts: Sequence[str]) -> str:
+    """A string that occurs in none of ``texts``: U+E000, n characters of U+E002..U+F8FF, U+E001.
+
+    It cannot run out: n is the smallest with more candidates (6398**n) than ``texts`` hold
+    characters, so more candidates exist than the texts hold U+E000s, and each U+E000 rules out at
+    most one candidate (the n characters after it). The first candidate not ruled out is taken
+    (deterministic; O(total length)). The delimiter is border-free (no proper prefix equals a
+    suffix: only its first character is U+E000), so two occurrences never overlap: text next to a
+    placed delimiter cannot complete another one that shares characters with it.
+    """
+    total = sum(len(t) for t in texts)
+    n = 1
+    while len(_INNER) ** n <= total:
+        n += 1
+    taken = set()
+    for text in texts:
+        start = text.find(_OPEN)
+        while start >= 0:
+            taken.add(text[start + 1:start + 1 + n])
+            start = text.find(_OPEN, start + 1)
+    for inner in itertools.product(map(chr, _INNER), repeat=n):  # at most len(taken) + 1 steps
+        candidate = "".join(inner)
+        if candidate not in taken:
+            return _OPEN + candidate + _CLOSE
+    raise AssertionError("unreachable: there are more candidates than texts' characters")
 
 
 def _check_text(text: str, what: str) -> None:
