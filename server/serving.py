@@ -2,7 +2,8 @@
 
 uvicorn's own settings bound most of what a hostile or broken client can hold:
 
-* ``limit_concurrency``: connections + running requests past this get 503 at once;
+* ``limit_concurrency``: connections + running requests past this get 503 at once (in the
+  app's JSON error format: ``_HeadTimeoutH11`` answers it, not uvicorn's plain-text page);
 * ``h11_max_incomplete_event_size``: a request head (line + headers) larger than this is
   refused (400) instead of being buffered;
 * ``timeout_keep_alive``: an idle connection between requests is closed.
@@ -22,11 +23,16 @@ uvicorn close the listeners and wait for connections, for longer than the grace 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .limits import DEFAULT_SHUTDOWN_GRACE_S
+from .protocol import APIError
+
+uvicorn_log = logging.getLogger("uvicorn.error")
 
 # A request head (request line + headers) is a few hundred bytes from any real client;
 # 10 s is generous on a slow link and short enough that idle half-open connections do not pile up.
@@ -40,6 +46,7 @@ KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed a
 # step: well under a second on any model specedge runs) and its last chunks are written;
 # uvicorn waits this much longer before it cancels what is left.
 SHUTDOWN_MARGIN_S = 5.0
+OVERLOAD_RETRY_AFTER_S = 1  # what a 503 past MAX_CONNECTIONS suggests: most connections are short requests
 
 
 class _HeadTimeoutH11(H11Protocol):
@@ -47,6 +54,14 @@ class _HeadTimeoutH11(H11Protocol):
 
     head_timeout_s: float = HEAD_TIMEOUT_S
     _head_timer: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own check answers past limit_concurrency with a plain-text page; the same check
+        # runs in front of the app instead, answering in the JSON error format every other error uses.
+        limit, self.limit_concurrency = self.limit_concurrency, None
+        if limit is not None:
+            self.app = _ConcurrencyLimit(self.app, limit, self.connections, self.tasks)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -70,6 +85,27 @@ class _HeadTimeoutH11(H11Protocol):
         # A request in flight (head received, response not complete) is the app's to time out.
         if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             self.transport.close()
+
+
+class _ConcurrencyLimit:
+    """ASGI wrapper: 503 with a JSON error body while ``limit`` connections are open or requests
+    run (uvicorn's own rule, evaluated in the request's task, which counts itself)."""
+
+    def __init__(self, app, limit: int, connections: set, tasks: set) -> None:
+        self.app, self.limit, self.connections, self.tasks = app, limit, connections, tasks
+        error = APIError(503, f"the server is at its limit of {limit} open connections; retry shortly",
+                         type="server_error", code="server_overloaded")
+        self.body = json.dumps(error.body()).encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (len(self.connections) < self.limit and len(self.tasks) <= self.limit):
+            return await self.app(scope, receive, send)
+        uvicorn_log.warning("Exceeded concurrency limit.")
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(self.body)).encode()),
+                                (b"retry-after", str(OVERLOAD_RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 class SpecedgeServer(uvicorn.Server):

@@ -53,6 +53,7 @@ class Job:
         self._loop = loop
         self._cancelled = threading.Event()
         self._stream: TextStream | None = None
+        self._answered = False  # a "done" or "error" event was handed to the loop
 
     @property
     def cancelled(self) -> bool:
@@ -71,6 +72,8 @@ class Job:
 
     def _emit(self, kind: str, value) -> bool:
         """Hand an event to the loop thread; False when the loop is gone (server shutting down)."""
+        if kind != "delta":
+            self._answered = True
         try:
             self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
             return True
@@ -213,6 +216,12 @@ class GenerationWorker:
             outcome = "failed"
             try:
                 outcome = self._run(job)
+            except BaseException as exc:  # noqa: BLE001 - escaped _run's own handling: answer it, serve the next
+                # The thread must outlive any one job: were it to end here, every queued and later
+                # request would wait forever. Its client gets a 500 unless it was already answered.
+                log.exception("job %s failed outside its handler", job.name)
+                if not job._answered:
+                    job._emit("error", exc)
             finally:
                 with self._cond:
                     self._running = None
