@@ -23,6 +23,7 @@ from __future__ import annotations
 import numbers
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -90,8 +91,16 @@ class TextStream:
         return self._cancel.is_set()
 
     def close(self) -> None:
-        """Stop generating now; ``result`` keeps what was committed. Releases the Generator."""
-        self._deltas.close()
+        """Stop generating now; ``result`` keeps what was committed. Releases the Generator.
+
+        Safe from any thread: while another thread is inside ``next()`` (a generator cannot be
+        closed while it runs), the stream is cancelled instead; it stops at the next block
+        boundary, and that thread's iteration ends there.
+        """
+        try:
+            self._deltas.close()
+        except ValueError:  # "generator already executing": another thread is iterating right now
+            self._cancel.set()
 
     def __enter__(self) -> "TextStream":
         return self
@@ -114,7 +123,11 @@ class Generator:
         self.threads = loaded.threads
         # Conversation slots: each keeps its caches (allocated once) and the tokens they hold, so a
         # call that continues an earlier one prefills only what is new (runtime/slots.py).
-        self.slots = SlotPool(self._new_slot, max_slots=cache_slots, max_bytes=cache_memory)
+        # The pool calls back through a weak reference: a bound method stored in it would make a cycle
+        # (Generator -> pool -> method -> Generator) that only the cyclic GC frees, so a dropped Generator
+        # would keep its sessions and caches (hundreds of MB) until some later gc.collect().
+        new_slot = weakref.WeakMethod(self._new_slot)
+        self.slots = SlotPool(lambda: new_slot()(), max_slots=cache_slots, max_bytes=cache_memory)
         self.draft_head_ids = loaded.draft_head_ids
         self.max_context = self.manifest.target.max_context
         self.eos_token_ids = self.manifest.target.eos_token_ids
