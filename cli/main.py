@@ -271,11 +271,12 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
     Greedy output is token-identical to --no-speculation on the same machine, int4
     bundles included (every target step runs two rows so plain steps and verifies
     compute the same bits; README: When output is identical). Ctrl-C prints what was
-    generated so far.
+    generated so far, then exits with status 130.
     """
     config = config_from(kw)
     gen = _load(bundle, kw)
     text_stream = gen.stream(prompt, config=config)
+    interrupted = False
     try:
         for delta in text_stream:
             if stream and not as_json:
@@ -283,6 +284,7 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
     except KeyboardInterrupt:
         text_stream.close()
         click.echo("\n[interrupted]", err=True)
+        interrupted = True
     result = text_stream.result
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -294,6 +296,8 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
         click.echo(f"note: {result.message}", err=True)
     if stats and not as_json:
         click.echo(_stats_line(result), err=True)
+    if interrupted:
+        raise click.exceptions.Exit(EXIT_INTERRUPTED)
 
 
 # ----------------------------------------------------------------------------- info
