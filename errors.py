@@ -73,5 +73,10 @@ class ExportValidationError(ExportError):
     """ONNX Runtime's outputs differ from PyTorch's beyond the tolerance."""
 
 
+class TokenizerParityError(ExportError):
+    """The bundle's tokenizer (as the runtime encodes) gives other token ids than the source's own
+    tokenizer on a text or conversation; the message names it and the first differing token."""
+
+
 class FetchError(SpecedgeError):
     """A catalog model could not be downloaded, assembled or verified."""

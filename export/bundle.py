@@ -25,7 +25,9 @@ from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
 from ..runtime.drafters import DEFAULT_DRAFTER
+from ..runtime.loading import load_codec
 from .leftovers import is_stale, pid_after
+from .tokenizer_parity import added_bos, check_parity, source_tokenizer
 
 SELF_DRAFTS = ("self-int4", "self-int8")
 # The smallest max_context an export takes: validation prefills and verifies across positions
@@ -265,7 +267,9 @@ def draft_head_tokens(tokenizer, vocab_size: int, size: int, eos_ids: tuple[int,
     return np.array(sorted(keep), np.int64)
 
 
-def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:
+def _save_tokenizer(tokenizer, root: Path, *, add_bos_token: bool) -> TokenizerEntry:
+    """Write the tokenizer files the runtime reads; ``add_bos_token`` is what the source's tokenizer
+    does (tokenizer_parity.added_bos), not its possibly unset flag."""
     tokenizer.save_pretrained(str(root))
     for extra in root.iterdir():  # keep the bundle to what the runtime reads
         if extra.is_file() and extra.name not in _TOKENIZER_FILES:
@@ -278,13 +282,12 @@ def _save_tokenizer(tokenizer, root: Path) -> TokenizerEntry:
     tok_json = root / "tokenizer.json"
     if not tok_json.exists():
         raise ExportError("the source has no fast tokenizer (tokenizer.json); specedge's runtime needs one")
-    add_bos = bool(getattr(tokenizer, "add_bos_token", False))
     return TokenizerEntry(
         file="tokenizer.json",
         config="tokenizer_config.json" if (root / "tokenizer_config.json").exists() else None,
         chat_template="chat_template.jinja" if (root / "chat_template.jinja").exists() else None,
         sha256=_sha256_bytes(tok_json.read_bytes()), bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token, add_bos_token=add_bos)
+        eos_token=tokenizer.eos_token, add_bos_token=add_bos_token)
 
 
 def clean_stale_siblings(out: Path) -> list[Path]:
@@ -349,7 +352,14 @@ def export_bundle(config: ExportConfig) -> Manifest:
     try:
         progress(f"loading target {config.target}")
         target_loaded = load_source(config.target, trust_pickle=config.trust_pickle, quiet=config.quiet)
-        tokenizer = _save_tokenizer(target_loaded.tokenizer, tmp)
+        # The special-token rules come from the source's own tokenizer (a GGUF file's metadata, not its
+        # dequantized copy's), and the bundle must then encode every parity text as the source does.
+        reference = source_tokenizer(target_loaded)
+        tokenizer = _save_tokenizer(target_loaded.tokenizer, tmp, add_bos_token=added_bos(reference))
+        parity = check_parity(load_codec(tmp, tokenizer), reference, tokenizer.add_bos_token)
+        progress.note(f"tokenizer parity with the source: {parity.texts} texts, {parity.conversations} "
+                      f"conversations (add_bos_token={str(parity.add_bos_token).lower()})")
+        del reference
         target_vocab = target_loaded.tokenizer.get_vocab()
         progress(f"building + validating target graph ({config.precision})")
         target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256, progress.note)

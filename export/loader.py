@@ -29,6 +29,9 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     source: str  # human-readable origin
     eos_token_ids: tuple[int, ...]
+    # The checkpoint as given: an HF folder, or the GGUF file (not its dequantized copy, whose
+    # tokenizer_config.json lacks the file's tokenizer.ggml.* flags). Tokenizer parity reads it.
+    origin: Path | None = None
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -125,6 +128,7 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_source(src)
+    origin = path
     description = str(src)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -152,4 +156,4 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
         lines = str(exc).strip().splitlines() or [""]
         raise ExportError(f"transformers could not load {path}: {type(exc).__name__}: {lines[0][:300]}") from None
     model.eval()
-    return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer))
+    return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer), origin)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..engines import EngineOptions, backend_for, create_engine, runtime_description
 from ..errors import BundleError, InvalidParameterError
-from ..manifest import Manifest, load_head_tokens, load_manifest, resolve_inside
+from ..manifest import Manifest, TokenizerEntry, load_head_tokens, load_manifest, resolve_inside
 from ..bundle_extra import CostProfile
 from .text import TextCodec
 
@@ -29,6 +29,22 @@ class LoadedBundle:
     threads: int  # intra-op threads the sessions were created with (0 = ORT default)
     cost_profile: CostProfile | None  # the manifest's measured step costs, when taken on this machine and setting
     runtime: str = ""  # the target's engines.runtime_description (backend, ORT version, provider)
+
+
+def load_codec(bundle: Path, tok: TokenizerEntry) -> TextCodec:
+    """The bundle's TextCodec as generation uses it: its tokenizer file, chat template and BOS rule.
+
+    Export calls this too, on the bundle it is writing, to check tokenizer parity with the source.
+    """
+    template = None
+    if tok.chat_template:
+        try:
+            template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"chat template {tok.chat_template!r} is not UTF-8 text: {exc.reason} at byte "
+                              f"{exc.start}") from None
+    return TextCodec(resolve_inside(bundle, tok.file), template, bos_token=tok.bos_token,
+                     eos_token=tok.eos_token, add_bos_token=tok.add_bos_token)
 
 
 def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, draft_threads: int | None = None,
@@ -49,16 +65,7 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
     two_sessions = manifest.draft is not None and load_draft
     options = engine_options or EngineOptions(provider=provider, intra_op_threads=threads,
                                               stop_spinning_after_run=two_sessions)
-    tok = manifest.tokenizer
-    template = None
-    if tok.chat_template:
-        try:
-            template = resolve_inside(bundle, tok.chat_template).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise BundleError(f"chat template {tok.chat_template!r} is not UTF-8 text: {exc.reason} at byte "
-                              f"{exc.start}") from None
-    codec = TextCodec(resolve_inside(bundle, tok.file), template, bos_token=tok.bos_token,
-                      eos_token=tok.eos_token, add_bos_token=tok.add_bos_token)
+    codec = load_codec(bundle, manifest.tokenizer)
     if codec.vocab_size > manifest.target.vocab_size:
         raise InvalidParameterError(f"tokenizer has {codec.vocab_size} tokens but the target's vocab_size is "
                                     f"{manifest.target.vocab_size}")

@@ -199,22 +199,53 @@ def copy_bundle(src: Path, dst: Path) -> Path:
     return dst
 
 
+# A Gemma-style sentencepiece vocabulary for tiny gemma3 GGUF files, laid out as Gemma 3's: the
+# control tokens first (<pad> <eos> <bos> <unk> <mask>, then the chat markers), the 256 byte-fallback
+# tokens, single characters, then a few words with every prefix (transformers rebuilds Gemma's merges
+# from the vocabulary, so each word needs a chain of pieces to be merged from).
+GEMMA_CONTROL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+GEMMA_BOS_ID, GEMMA_EOS_ID = 2, 1
+GEMMA_WORDS = ("The", "three", "primary", "colors", "of", "light", "are", "red", "green", "blue", "Hello",
+               "world", "user", "model", "What", "is", "and")
+# Gemma 3's chat template in miniature: it writes <bos> itself, as the real one does.
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                       "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                       "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma_tokens() -> list[str]:
+    """The tiny Gemma vocabulary (``GEMMA_CONTROL``, bytes, characters, word prefixes), in id order."""
+    import string
+
+    tokens = list(GEMMA_CONTROL) + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["\u2581", "\n", "\t"] + list(string.ascii_letters + string.digits + string.punctuation)
+    for word in GEMMA_WORDS:
+        for spelled in (word, "\u2581" + word):
+            tokens += [spelled[:n] for n in range(2, len(spelled) + 1)]
+    return list(dict.fromkeys(tokens))
+
+
 def write_gguf(folder: Path, out: Path) -> Path:
     """Write the tiny model in ``folder`` as an F32 GGUF file the way llama.cpp's converter names it.
 
-    Tensor names come from the ``gguf`` package's own HF -> GGUF name map; the tokenizer is stored
-    as a byte-level BPE vocabulary without merges (tests pass token ids). Only families whose
-    GGUF tensors are the HF tensors renamed are written (qwen3): llama's q/k permutation and
-    Gemma's stored (1 + w) norms would need the converter's rewrites too.
+    Tensor names come from the ``gguf`` package's own HF -> GGUF name map. Families written: qwen3
+    (its GGUF tensors are the HF tensors renamed; the tokenizer is a byte-level BPE vocabulary
+    without merges, so tests pass token ids) and gemma3_text (norm weights stored as 1 + w, as
+    llama.cpp's converter writes them; the tiny Gemma sentencepiece vocabulary of
+    :func:`gemma_tokens`, which the model's vocab_size must match, with Gemma 3's tokenizer
+    metadata: ``tokenizer.ggml.add_bos_token = True``, no EOS, no space prefix, a chat template).
+    llama's q/k permutation would need the converter's rewrites too.
     """
     import gguf
 
     model = load_hf(folder)
     cfg = model.config
-    if cfg.model_type != "qwen3":
-        raise ValueError(f"write_gguf writes qwen3 only, not {cfg.model_type!r}")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(out), "qwen3")
+    if cfg.model_type not in ("qwen3", "gemma3_text"):
+        raise ValueError(f"write_gguf writes qwen3 and gemma3_text only, not {cfg.model_type!r}")
+    gemma = cfg.model_type == "gemma3_text"
+    arch = gguf.MODEL_ARCH.GEMMA3 if gemma else gguf.MODEL_ARCH.QWEN3
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out), "gemma3" if gemma else "qwen3")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(cfg.hidden_size)
@@ -223,22 +254,51 @@ def write_gguf(folder: Path, out: Path) -> Path:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters["full_attention"] if gemma else cfg.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    # transformers builds a Qwen2Tokenizer, which appends "<|endoftext|>" unless the vocabulary has it:
-    # the last word takes that name, so the tokenizer keeps the model's vocab size.
-    tokens = list(vocab(cfg.vocab_size))[:-1] + ["<|endoftext|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i < len(SPECIALS) else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    if gemma:
+        tokens = gemma_tokens()
+        if len(tokens) != cfg.vocab_size:
+            raise ValueError(f"a tiny gemma3 GGUF needs vocab_size={len(tokens)} (gemma_tokens()), not {cfg.vocab_size}")
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in GEMMA_CONTROL and t != "<unk>" else
+                                gguf.TokenType.UNKNOWN if t == "<unk>" else
+                                gguf.TokenType.BYTE if t.startswith("<0x") else gguf.TokenType.NORMAL
+                                for t in tokens])
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        writer.add_bos_token_id(GEMMA_BOS_ID)
+        writer.add_eos_token_id(GEMMA_EOS_ID)
+        writer.add_unk_token_id(GEMMA_CONTROL.index("<unk>"))
+        writer.add_pad_token_id(GEMMA_CONTROL.index("<pad>"))
+        # What Gemma 3's GGUF files say (tokenizer.ggml.*), and what a bundle must keep.
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(False)
+        writer.add_chat_template(GEMMA_CHAT_TEMPLATE)
+    else:
+        # transformers builds a Qwen2Tokenizer, which appends "<|endoftext|>" unless the vocabulary has it:
+        # the last word takes that name, so the tokenizer keeps the model's vocab size.
+        tokens = list(vocab(cfg.vocab_size))[:-1] + ["<|endoftext|>"]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if i < len(SPECIALS) else gguf.TokenType.NORMAL
+                                for i in range(len(tokens))])
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_merges([])
+        writer.add_bos_token_id(BOS_ID)
+        writer.add_eos_token_id(cfg.eos_token_id)
     for name, tensor in model.state_dict().items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+        if gemma and name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: llama.cpp writes the embedding once
+        data = tensor.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1.0  # Gemma's RMSNorm scales by (1 + w); the GGUF stores 1 + w
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -98,6 +98,13 @@ def test_greedy_equals_transformers_and_speculation_equals_plain(case, attention
     expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
     assert len(expected) >= WINDOW, "the continuation must run past the window (seed meets EOS too early)"
     gen = load_generator(bundle)
+    # Tokenizer parity (export refuses a bundle without it: export/tokenizer_parity.py): the bundle encodes
+    # text, BOS rule included, as transformers' tokenizer of the same folder does.
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    text = reference.decode(PROMPT_IDS)
+    assert gen.codec.encode(text) == reference.encode(text)
     exact = exact_holds(gen)  # the standard graph is not row-invariant on every CPU: there, fast mode's promise
     plain = gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_NEW, speculation=False, exact=exact).token_ids
     assert plain == expected
