@@ -26,11 +26,11 @@ from tiny_models import edit_manifest
 
 @pytest.fixture
 def spied(self_spec_bundle):
-    """A fresh Generator whose target and draft engines record every forward call."""
+    """A fresh Generator whose target and draft engines record every forward call (the target's bare
+    engine: fast mode, the default, runs it directly and exact mode through its 2-row wrapper)."""
     gen = Generator.from_bundle(self_spec_bundle, threads=1)
     calls = []
-    for role in ("target", "draft"):
-        engine = getattr(gen, role)
+    for role, engine in (("target", gen.target.inner), ("draft", gen.draft)):
         original = engine.forward
 
         def forward(*args, _original=original, _role=role, **kwargs):
