@@ -77,3 +77,34 @@ def test_the_engine_binds_the_names_the_manifest_gives(tmp_path, attention):
         logits.append((prefill, engine.forward(ids[4:], kv, num_logits=1).copy()))
     np.testing.assert_array_equal(logits[0][0], logits[1][0])
     np.testing.assert_array_equal(logits[0][1], logits[1][1])
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_caches_bound_once_stay_apart_and_equal_bindings_made_per_step(tmp_path, attention):
+    """A GQA cache's K/V are bound once and kept (engines/ort.py); two caches stepped in turn on one
+    engine each give what a fresh binding per step gives, logits and K/V bit for bit."""
+    from specedge.engines.base import EngineOptions
+    from specedge.engines.ort import OrtEngine
+
+    entry, graph = _tiny_graph(tmp_path, attention, ModelIO())
+    engine = OrtEngine(entry, graph, EngineOptions(intra_op_threads=1))
+    prompts = ([5, 9, 2, 7], [11, 3, 8])
+    kept = [engine.new_cache() for _ in prompts]
+    logits = {i: [engine.forward(np.asarray(p, np.int64), kept[i]).copy()] for i, p in enumerate(prompts)}
+    for step in range(6):  # interleaved: each forward on one cache between two on the other
+        for i in range(len(prompts)):
+            ids = np.asarray([(step * 7 + i) % 64] * (1 + step % 3), np.int64)
+            logits[i].append(engine.forward(ids, kept[i], num_logits=len(ids)).copy())
+    if attention == "gqa":
+        assert set(engine._kv_bindings) == set(kept)  # one binding per cache, made once
+    for i, prompt in enumerate(prompts):
+        fresh = engine.new_cache()
+        got = [engine.forward(np.asarray(prompt, np.int64), fresh).copy()]
+        for step in range(6):
+            ids = np.asarray([(step * 7 + i) % 64] * (1 + step % 3), np.int64)
+            engine._kv_bindings.pop(fresh, None)  # what every step did before: bind the cache again
+            got.append(engine.forward(ids, fresh, num_logits=len(ids)).copy())
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], got))
+        n = kept[i].length
+        assert all(np.array_equal(a[..., :n, :] if attention == "gqa" else a[:n], b[..., :n, :] if attention == "gqa"
+                                  else b[:n]) for a, b in zip(kept[i].keys, fresh.keys))
