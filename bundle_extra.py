@@ -17,6 +17,7 @@ key                         type                                        written 
 ``cost_profile``            :class:`CostProfile`                         ``specedge tune`` / ``--tune``
 ``engines``                 role -> :class:`EngineRecord`                ``export --engine tensorrt``
 ``quant_tuning``            role -> :class:`QuantTuning`                 ``export --tune`` (block size)
+``quality``                 :class:`QualityRecord`                       export (a short ``specedge eval``)
 ==========================  ==========================================  ================================
 
 An unknown key, or a malformed value, is a :class:`~specedge.errors.ManifestError` (a
@@ -352,6 +353,103 @@ class QuantTuning:
                    candidates=candidates, chosen=chosen, step_rows=step_rows, **counts)
 
 
+# --------------------------------------------------------------------------- quality (specedge eval)
+
+
+@dataclass(frozen=True)
+class QualityScore:
+    """The target graph's perplexity on some text and, when the source was scored on the same
+    chunks, the source's perplexity and the top-1 agreement (quality/evaluate.py).
+
+    ``positions``: predicted positions (every chunk's tokens but its first). ``perplexity`` =
+    exp(mean negative log-likelihood over them). ``source_perplexity`` and ``top1_agreement``
+    (share of positions whose argmax equals the source's) are both None when scored alone.
+    """
+
+    positions: int
+    perplexity: float
+    source_perplexity: float | None = None
+    top1_agreement: float | None = None
+
+    FIELDS = ("positions", "perplexity", "source_perplexity", "top1_agreement")
+
+    def __post_init__(self) -> None:
+        if (self.source_perplexity is None) != (self.top1_agreement is None):
+            raise InvalidParameterError("a quality score has a source perplexity and a top-1 agreement, or neither")
+
+    @property
+    def perplexity_ratio(self) -> float | None:
+        """The bundle's perplexity over the source's (1.0: nothing lost on the way in)."""
+        return None if self.source_perplexity is None else self.perplexity / self.source_perplexity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "QualityScore":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.FIELDS, where)
+        positions = read_field(obj, "positions", where, int)
+        if positions < 1:
+            raise ManifestError(f"manifest field '{where}.positions' must be >= 1, got {positions}")
+        source = read_field(obj, "source_perplexity", where, (int, float), optional=True)
+        agreement = read_field(obj, "top1_agreement", where, (int, float), optional=True)
+        try:
+            return cls(positions=positions,
+                       perplexity=finite(read_field(obj, "perplexity", where, (int, float)),
+                                         f"{where}.perplexity", positive=True),
+                       source_perplexity=(None if source is None
+                                          else finite(source, f"{where}.source_perplexity", positive=True)),
+                       top1_agreement=None if agreement is None else _fraction(agreement, f"{where}.top1_agreement"))
+        except InvalidParameterError as exc:
+            raise ManifestError(f"manifest field '{where}': {exc}") from None
+
+
+@dataclass(frozen=True)
+class QualityRecord:
+    """What ``specedge eval`` measured on the target graph (export records a short run).
+
+    ``kinds``: text kind ("prose", "code", or a file's name) -> its score; ``overall``: every
+    predicted position of every kind together. ``chunk``: tokens per teacher-forced chunk;
+    ``max_tokens``: tokens of each text scored at most (None: whole texts). ``source``: what
+    the source scores came from ("" when the bundle was scored alone).
+    """
+
+    chunk: int
+    kinds: dict[str, QualityScore]
+    overall: QualityScore
+    max_tokens: int | None = None
+    source: str = ""
+
+    KEYS = ("chunk", "max_tokens", "source", "kinds", "overall")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"chunk": self.chunk}
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        if self.source:
+            out["source"] = self.source
+        out["kinds"] = {k: s.to_dict() for k, s in self.kinds.items()}
+        out["overall"] = self.overall.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "extra.quality") -> "QualityRecord":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.KEYS, where)
+        ints = {k: read_field(obj, k, where, int, optional=k == "max_tokens") for k in ("chunk", "max_tokens")}
+        if ints["chunk"] < 2:
+            raise ManifestError(f"manifest field '{where}.chunk' must be >= 2, got {ints['chunk']}")
+        if ints["max_tokens"] is not None and ints["max_tokens"] < 2:
+            raise ManifestError(f"manifest field '{where}.max_tokens' must be >= 2, got {ints['max_tokens']}")
+        kinds = read_field(obj, "kinds", where, dict)
+        if not kinds:
+            raise ManifestError(f"manifest field '{where}.kinds' must name at least one text kind")
+        return cls(kinds={str(k): QualityScore.from_dict(v, f"{where}.kinds.{k}") for k, v in kinds.items()},
+                   overall=QualityScore.from_dict(read_field(obj, "overall", where, dict), f"{where}.overall"),
+                   source=read_field(obj, "source", where, str, optional=True, default=""), **ints)
+
+
 # --------------------------------------------------------------------------- TensorRT engine records
 
 
@@ -525,9 +623,10 @@ class ManifestExtra:
     cost_profile: CostProfile | None = None
     engines: dict[str, EngineRecord] = field(default_factory=dict)
     quant_tuning: dict[str, QuantTuning] = field(default_factory=dict)
+    quality: QualityRecord | None = None
 
     KEYS = ("validation", "batch_variance", "exact_steps", "context_warnings", "unknown_config_fields",
-            "export_seconds", "cost_profile", "engines", "quant_tuning")
+            "export_seconds", "cost_profile", "engines", "quant_tuning", "quality")
 
     def target_batch_variance(self) -> float | None:
         """The target's measured batch variance (the near-tie gap's basis), None when not recorded."""
@@ -553,6 +652,8 @@ class ManifestExtra:
             out["engines"] = {role: r.to_dict() for role, r in self.engines.items()}
         if self.quant_tuning:
             out["quant_tuning"] = {role: r.to_dict() for role, r in self.quant_tuning.items()}
+        if self.quality is not None:
+            out["quality"] = self.quality.to_dict()
         return out
 
     @classmethod
@@ -583,6 +684,7 @@ class ManifestExtra:
         engines = _role_map(sub("engines"), f"{where}.engines")
         tuning = _role_map(sub("quant_tuning"), f"{where}.quant_tuning")
         profile = obj.get("cost_profile")
+        quality = obj.get("quality")
         return cls(
             validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
             batch_variance={role: finite(v, f"{where}.batch_variance.{role}") for role, v in variance.items()},
@@ -593,4 +695,5 @@ class ManifestExtra:
             cost_profile=CostProfile.from_dict(profile, f"{where}.cost_profile") if profile is not None else None,
             engines={role: EngineRecord.from_dict(v, f"{where}.engines.{role}") for role, v in engines.items()},
             quant_tuning={role: QuantTuning.from_dict(v, f"{where}.quant_tuning.{role}") for role, v in tuning.items()},
+            quality=QualityRecord.from_dict(quality, f"{where}.quality") if quality is not None else None,
         )

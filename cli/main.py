@@ -339,6 +339,7 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool, cache_slots: in
     click.echo("  tuning: " + _tuning_line(manifest.extra))
     for role, tuning in manifest.extra.quant_tuning.items():
         click.echo(f"  {role} block size: " + _quant_tuning_line(tuning))
+    click.echo("  quality: " + _quality_line(manifest.extra.quality))
     draft = f" + draft {_mb(cost.draft_bytes)}" if cost.draft_bytes else ""
     click.echo(f"  conversation cache: {_mb(cost.bytes)} per slot (target {_mb(cost.target_bytes)}{draft} at "
                f"max_context {cost.max_context}); {cache_slots} slot{'s' * (cache_slots != 1)} "
@@ -364,6 +365,18 @@ def _tuning_line(extra) -> str:
         return f"step costs measured on this machine ({where})"
     return (f"tuned elsewhere ({where}); this machine is {here.describe()}: the recorded "
             "step costs are ignored here and re-measured at warm-up (`specedge tune BUNDLE` records them)")
+
+
+def _quality_line(record) -> str:
+    """What export's short ``specedge eval`` measured (``record`` a QualityRecord or None)."""
+    if record is None:
+        return "not recorded (`specedge eval BUNDLE` measures perplexity and agreement with the source)"
+    s = record.overall
+    line = f"target perplexity {s.perplexity:.3f} on {s.positions} tokens of {', '.join(record.kinds)}"
+    if s.source_perplexity is not None:
+        line += (f", source {s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement "
+                 f"{s.top1_agreement:.3f}")
+    return line + " (`specedge eval BUNDLE` for the full set)"
 
 
 def _quant_tuning_line(tuning) -> str:
@@ -450,6 +463,10 @@ main.add_command(bench)
 from .doctor import doctor  # noqa: E402
 
 main.add_command(doctor)
+
+from .eval import eval_command  # noqa: E402
+
+main.add_command(eval_command)
 
 
 if __name__ == "__main__":

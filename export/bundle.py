@@ -392,6 +392,11 @@ def export_bundle(config: ExportConfig) -> Manifest:
             reports.update(target_exp.reports)
             quant_tuning.update(target_exp.quant_tuning)
             variance.update(target_exp.batch_variance)
+        # A short `specedge eval` while the source is in memory for validation anyway (export/quality.py).
+        from .quality import export_quality
+
+        quality = export_quality(tmp / target.graph, target, load_codec(tmp, tokenizer), target_loaded.model,
+                                 target_loaded.source, progress.note)
         del target_exp, target_loaded
         gc.collect()
         if config.draft is not None and not self_draft:
@@ -432,7 +437,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             files=files, created_by=f"specedge {__version__}",
             extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
                                 quant_tuning=quant_tuning, context_warnings=warned, unknown_config_fields=unknown,
-                                export_seconds=round(time.perf_counter() - started, 1)),
+                                export_seconds=round(time.perf_counter() - started, 1), quality=quality),
         )
         write_manifest(tmp, manifest)
         # Set the old bundle aside (a rename) rather than deleting it first: an interrupt during the

@@ -9,8 +9,9 @@ source tree::
 and, for its pure checks, by tests/unit/test_packaging.py. Standard library only.
 
 - the wheel: every file lies under ``specedge/`` or the dist-info folder; inside ``specedge/``
-  only Python modules and the bench's prompt data (``bench/prompts/*.json``); the runtime,
-  engines, export, cli, server and bench packages are there; no tests, docs or results;
+  only Python modules and the package data (the bench's prompts, ``bench/prompts/*.json``, and
+  ``specedge eval``'s texts, ``quality/texts/*.txt``); the runtime,
+  engines, export, cli, server, bench and quality packages are there; no tests, docs or results;
   the license is in the dist-info;
 - the sdist: LICENSE, and the tests with the helpers they import (conftest.py, tiny_models.py,
   distribution.py, the numpy reference engine...), so its unit tests can run (.ci/run runs them
@@ -31,9 +32,9 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 # The subpackages the product promises (the wheel may hold more; setup.py discovers them).
-REQUIRED_PACKAGES = ("runtime", "engines", "export", "cli", "server", "bench")
+REQUIRED_PACKAGES = ("runtime", "engines", "export", "cli", "server", "bench", "quality")
 # Package data: the only non-Python files in the wheel, as globs relative to specedge/.
-PACKAGE_DATA = ("bench/prompts/*.json",)
+PACKAGE_DATA = ("bench/prompts/*.json", "quality/texts/*.txt")
 # Modules that need an optional extra at import time: module -> the top-level package it needs.
 # A package listed here cannot be imported, so its submodules are not walked either.
 # Everything else must import with the edge install: the base dependencies (numpy, tokenizers,

@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 
 from specedge.bundle_extra import (BlockCandidate, ComparisonRecord, CostProfile, EngineRecord, ExactSteps,
-                                   MachineFingerprint, ManifestExtra, Profile, QuantTuning, ShapeRange,
-                                   ValidationRecord)
+                                   MachineFingerprint, ManifestExtra, Profile, QualityRecord, QualityScore,
+                                   QuantTuning, ShapeRange, ValidationRecord)
 from specedge.errors import BundleError, ManifestError, UnsafePathError
 from specedge.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
 from tiny_models import manifest_json
@@ -33,6 +33,9 @@ ENGINE = EngineRecord(route="native", tensorrt_version="10.3.0", gpu_name="NVIDI
 TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979, True),
                                                   BlockCandidate(128, 55.2, 98.4, 0.986, False)),
                       chosen=128, positions=144, context=256)
+QUALITY = QualityRecord(chunk=512, max_tokens=96, source="gguf:model.Q4_K_M.gguf",
+                        kinds={"prose": QualityScore(95, 12.5, 9.3, 0.845), "code": QualityScore(95, 3.1, 2.9, 0.93)},
+                        overall=QualityScore(190, 6.2, 5.2, 0.8875))
 EXTRA = ManifestExtra(
     validation={"target:fp32": ValidationRecord({"prefill": 1e-5, "verify across edge 32": 2e-5}, 0.01, 1.0),
                 "draft:int4-vs-fp32": ComparisonRecord(top1_agreement=0.9, max_abs_diff=0.3)},
@@ -40,7 +43,8 @@ EXTRA = ManifestExtra(
     exact_steps={"target": ExactSteps(bit_identical=True, two_row_step_cost=1.05, one_row_step_ms=3.2)},
     context_warnings={"target": "max_context 4096 is past the 2048 positions it was trained on"},
     unknown_config_fields={"target": ("made_up_feature",)},
-    export_seconds=12.5, cost_profile=PROFILE, engines={"target": ENGINE}, quant_tuning={"target": TUNING})
+    export_seconds=12.5, cost_profile=PROFILE, engines={"target": ENGINE}, quant_tuning={"target": TUNING},
+    quality=QUALITY)
 
 
 # --------------------------------------------------------------------------- round trips
@@ -49,7 +53,9 @@ EXTRA = ManifestExtra(
 @pytest.mark.parametrize("value", [MACHINE, PROFILE, replace(PROFILE, draft_token_s=None, draft_catchup_token_s=None),
                                    EXTRA.validation["target:fp32"], EXTRA.validation["draft:int4-vs-fp32"],
                                    EXTRA.exact_steps["target"], SHAPES["input_ids"], ENGINE.profiles[0], ENGINE,
-                                   TUNING, TUNING.candidates[0],
+                                   TUNING, TUNING.candidates[0], QUALITY, QUALITY.overall,
+                                   QualityRecord(chunk=16, kinds={"a.txt": QualityScore(15, 7.0)},
+                                                 overall=QualityScore(15, 7.0)),
                                    EXTRA, ManifestExtra()],
                          ids=lambda v: type(v).__name__)
 def test_every_record_round_trips_through_json(value):
@@ -162,6 +168,17 @@ MALFORMED = [
                                                           r".bit_identical' must be bool"),
     ("quant_tuning.target.machine.cpu", 7, r"'extra.quant_tuning.target.machine.cpu' must be str"),
     ("quant_tuning.target.seed", 1, r"'extra.quant_tuning.target.seed' is not part of the schema"),
+    ("quality", [], r"'extra.quality' must be dict"),
+    ("quality.chunk", 1, r"'extra.quality.chunk' must be >= 2"),
+    ("quality.max_tokens", "all", r"'extra.quality.max_tokens' must be int"),
+    ("quality.kinds", {}, r"'extra.quality.kinds' must name at least one text kind"),
+    ("quality.kinds.prose.positions", 0, r"'extra.quality.kinds.prose.positions' must be >= 1"),
+    ("quality.kinds.prose.perplexity", 0, r"'extra.quality.kinds.prose.perplexity' must be a finite number > 0"),
+    ("quality.kinds.prose.top1_agreement", 1.2, r"'extra.quality.kinds.prose.top1_agreement' must be a fraction"),
+    ("quality.overall.source_perplexity", float("nan"), r"'extra.quality.overall.source_perplexity' must be a "
+                                                        r"finite number > 0"),
+    ("quality.overall.perplexity_ratio", 1.2, r"'extra.quality.overall.perplexity_ratio' is not part of the schema"),
+    ("quality.source", 3, r"'extra.quality.source' must be str"),
 ]
 
 
@@ -183,6 +200,11 @@ def test_each_malformed_field_is_refused_naming_it(path, value, match):
     ("engines.target.gpu_name", r"'extra.engines.target.gpu_name' is missing"),
     ("quant_tuning.target.candidates.0.greedy_agreement", r"'extra.quant_tuning.target.candidates\[0\]"
                                                           r".greedy_agreement' is missing"),
+    ("quality.overall", r"'extra.quality.overall' is missing"),
+    ("quality.kinds.code.perplexity", r"'extra.quality.kinds.code.perplexity' is missing"),
+    # A source perplexity without its agreement (or the reverse) is half a comparison.
+    ("quality.kinds.code.top1_agreement", r"'extra.quality.kinds.code': a quality score has a source perplexity "
+                                          r"and a top-1 agreement, or neither"),
     # Without a tolerance it reads as a comparison, whose max_abs_diff is one number.
     ("validation.target:fp32.tolerance", r"'extra.validation.target:fp32.max_abs_diff' must be int or float"),
 ])
@@ -245,3 +267,11 @@ def test_an_old_profile_reads_as_typed_costs():
     assert extra.cost_profile.draft_catchup_token_s is None
     assert ManifestExtra.from_dict(LEGACY_EXTRAS["with-batch-variance"]).target_batch_variance() == 3.2e-6
     assert ManifestExtra.from_dict(LEGACY_EXTRAS["format-1-first"]).target_batch_variance() is None
+
+
+def test_a_quality_score_derives_its_ratio_and_never_stores_it():
+    score = QUALITY.kinds["prose"]
+    assert score.perplexity_ratio == pytest.approx(12.5 / 9.3)
+    assert "perplexity_ratio" not in score.to_dict()
+    assert QualityScore(10, 3.0).perplexity_ratio is None and QualityScore(10, 3.0).to_dict() == {
+        "positions": 10, "perplexity": 3.0}
