@@ -7,6 +7,7 @@ Imports of the library happen inside each command, so ``specedge --help`` and
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from ..bundle_extra import CostProfile
 
 DEMO_MODEL = "smollm2-135m-instruct"
+DEMO_MODEL_NAME = "smollm2"  # the model id the README's client snippets send; the demo's serve command sets it
 DEMO_PROMPT = ("Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, "
                "figs, grapes. Then say which of them is red.")
 
@@ -433,13 +435,21 @@ def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> N
     gen = Generator.from_bundle(out)
     gen.warmup()
     runs = {}
-    for name, overrides in (("baseline", {"speculation": False}), ("speculative", {})):
+    settings = (("baseline", {"speculation": False}), ("speculative", {}))
+    # Both runs once untimed first, so neither timed run pays first-run costs (a cold baseline made the
+    # speedup look larger than warm reruns give). The warm speculative run keeps its reply out of the
+    # suffix drafter's memory: the timed run must not draft this very reply from it.
+    for name, overrides in settings:
+        gen.generate(prompt, max_new_tokens=max_new_tokens, **overrides, reply_memory=False)
+    for name, overrides in settings:
         runs[name] = gen.generate(prompt, max_new_tokens=max_new_tokens, **overrides)
     base, spec = runs["baseline"], runs["speculative"]
+    serve_command = f"specedge serve {shlex.quote(str(out.resolve()))} --model-name {DEMO_MODEL_NAME}"
     identical = base.token_ids == spec.token_ids
     speedup = spec.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
     if as_json:
-        click.echo(json.dumps({"identical": identical, "speedup": speedup,
+        click.echo(json.dumps({"identical": identical, "speedup": speedup, "bundle": str(out.resolve()),
+                               "serve_command": serve_command,
                                **{k: v.to_dict() for k, v in runs.items()}}, indent=2))
         return
     click.echo(f"prompt: {prompt}\n")
@@ -448,6 +458,8 @@ def demo(out: Path | None, prompt: str, max_new_tokens: int, as_json: bool) -> N
     click.echo(f"identical tokens: {'yes' if identical else 'NO'}   speedup: {speedup:.2f}x   "
                f"acceptance: {spec.stats.acceptance:.2f}   mean accepted length: "
                f"{spec.stats.mean_accepted_length:.2f}   tokens by source: {dict(sorted(spec.stats.source_tokens.items()))}")
+    click.echo(f"\nbundle: {out.resolve()}\nserve it (the README's client snippets use model {DEMO_MODEL_NAME!r}; "
+               f"needs the serve extra: pip install -e '.[serve]'):\n  {serve_command}")
     if not identical:
         sys.exit(1)
 

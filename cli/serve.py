@@ -7,9 +7,12 @@ from pathlib import Path
 import click
 
 from ..engines.base import PROVIDERS
+from ..errors import BackendUnavailableError
 from ..server.limits import (CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES,
-                             DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
+                             DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# specedge is installed from a clone (it is not on PyPI): both forms, the clone's first.
+SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'specedge-*.whl[serve]' from a built wheel)"
 
 
 @click.command()
@@ -25,6 +28,10 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 @click.option("--api-key-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="Read more API keys from FILE, one per line ('#' comments and blank lines skipped).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the bundle folder's name).")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=DEFAULT_MAX_TOKENS, show_default=True,
+              help="Tokens a chat reply may run when the request sends neither max_tokens nor "
+              "max_completion_tokens (Pipecat and LiveKit send none); a request's own value wins. "
+              "0: up to the end of the context (OpenAI's rule).")
 @click.option("--queue-size", type=click.IntRange(min=0), default=DEFAULT_QUEUE_SIZE, show_default=True,
               help="Requests that may wait while one generates; the next gets 429.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
@@ -63,7 +70,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
 def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key_file: Path | None,
-          model_name: str | None, queue_size: int, max_body_bytes: int, threads: int, provider: str,
+          model_name: str | None, max_tokens: int, queue_size: int, max_body_bytes: int, threads: int, provider: str,
           no_speculation: bool, no_warmup: bool, no_verify_checksums: bool, shutdown_grace: float, cache_slots: int,
           cache_memory: float | None, cache_sharing: str, prompt_cache: Path | None, system_prompt: str | None,
           log_level: str) -> None:
@@ -73,14 +80,14 @@ def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key
     One model, one generation at a time; requests wait in a FIFO queue.
       specedge serve bundles/smollm2 --port 8000
       curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
-    Needs the serve extra: pip install 'specedge[serve]'.
+    Needs the serve extra: pip install -e '.[serve]' in a clone (from a wheel: 'specedge-*.whl[serve]').
     """
     try:
         from ..server.app import create_app
         from ..server.serving import SpecedgeServer, server_config
-    except ImportError as exc:
-        raise click.ClickException(f"specedge serve needs the serve extra ({exc.name} is missing): "
-                                   "pip install 'specedge[serve]'") from None
+    except ImportError as exc:  # BackendUnavailableError: the CLI's `error:` line and exit status 2
+        raise BackendUnavailableError(f"specedge serve needs the serve extra ({exc.name} is missing): "
+                                      f"{SERVE_INSTALL_HINT}") from None
     from ..runtime.generator import Generator
 
     if system_prompt is not None and prompt_cache is None:
@@ -107,7 +114,7 @@ def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key
         server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt)))
     app = create_app(generator, api_key=keys or None, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name, speculation=not no_speculation, warmup=not no_warmup,
-                     cache_sharing=cache_sharing)
+                     cache_sharing=cache_sharing, max_tokens=max_tokens or None)
     SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),
                    grace_s=shutdown_grace).run()
 

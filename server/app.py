@@ -50,7 +50,8 @@ from starlette.routing import Route
 from ..errors import SpecedgeError
 from ..runtime.generator import Generator
 from . import protocol
-from .limits import CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE_SIZE
+from .limits import (CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS,
+                     DEFAULT_QUEUE_SIZE)
 from .protocol import APIError, ParsedRequest
 from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 
@@ -101,8 +102,9 @@ class _Server:
 
     def __init__(self, generator: Generator, *, api_keys: tuple[str, ...], queue_size: int, max_body_bytes: int,
                  model_name: str, speculation: bool, body_timeout_s: float = BODY_TIMEOUT_S,
-                 cache_sharing: str = "key") -> None:
+                 cache_sharing: str = "key", max_tokens: int | None = None) -> None:
         self.generator = generator
+        self.max_tokens = max_tokens  # a chat reply's cap when the request sends none (None: the context)
         self.body_timeout_s = body_timeout_s
         self.api_keys = api_keys
         self.cache_sharing = cache_sharing
@@ -192,7 +194,7 @@ class _Server:
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
             return protocol.parse_request(kind, data, self.generator, model_name=self.model_name,
-                                          speculation=self.speculation)
+                                          speculation=self.speculation, max_tokens=self.max_tokens)
         except StopIteration as exc:
             # asyncio refuses to set a StopIteration on run_in_executor's Future ("cannot be raised into
             # a Future"): the request would wait forever, holding its connection. Answered 500 instead.
@@ -207,7 +209,7 @@ class _Server:
     async def health(self, request: Request) -> JSONResponse:
         state = {"status": "ok", "model": self.model_name, "speculation": self.speculation,
                  "drafter": self.generator.manifest.speculation.drafter if self.speculation else "none",
-                 **self.worker.status()}
+                 "max_tokens": self.max_tokens, **self.worker.status()}
         # The slots' held tokens tell how long others' conversations are: for callers with a key only.
         if not self.api_keys or self._tenant(request) is not None:
             state["cache"] = self.generator.slots.describe()
@@ -338,7 +340,8 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                model_name: str | None = None, speculation: bool = True, warmup: bool = True,
-               body_timeout_s: float = BODY_TIMEOUT_S, cache_sharing: str = DEFAULT_CACHE_SHARING) -> Starlette:
+               body_timeout_s: float = BODY_TIMEOUT_S, cache_sharing: str = DEFAULT_CACHE_SHARING,
+               max_tokens: int | None = DEFAULT_MAX_TOKENS) -> Starlette:
     """An OpenAI-compatible app serving ``generator``.
 
     ``api_key``: a key, or several (one per client); when set, /v1/* needs
@@ -353,7 +356,12 @@ def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = No
     ``warmup``: run every session once at startup (``Generator.warmup()``), so the
     first request pays no session setup.
     ``body_timeout_s``: a request body must arrive within this (408 otherwise).
+    ``max_tokens``: a chat reply's length when the request sends neither ``max_tokens`` nor
+    ``max_completion_tokens`` (None: the room left in the context, OpenAI's rule).
     """
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be an integer >= 1 or None; got {max_tokens!r}")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1; got {max_body_bytes!r}")
     keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(dict.fromkeys(api_key))
@@ -363,7 +371,7 @@ def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = No
         raise ValueError(f"cache_sharing must be one of {', '.join(CACHE_SHARING)}; got {cache_sharing!r}")
     server = _Server(generator, api_keys=keys, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name or generator.bundle.name, speculation=speculation,
-                     body_timeout_s=body_timeout_s, cache_sharing=cache_sharing)
+                     body_timeout_s=body_timeout_s, cache_sharing=cache_sharing, max_tokens=max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

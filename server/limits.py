@@ -6,6 +6,11 @@ same defaults as :func:`specedge.server.app.create_app` without importing starle
 
 DEFAULT_QUEUE_SIZE = 16  # waiting requests; on one device a deeper queue is only a longer wait
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more is a mistake or an attack
+# A chat reply's length when the request sends no max_tokens (Pipecat and LiveKit send none, and
+# without a cap a small model talked to the end of its context: 2,021 tokens, 10 s, per turn).
+# 256 tokens is about 190 English words, over a minute of speech: far above a spoken turn (1-3
+# sentences, 20-80 tokens), so it cuts only runaway replies. 0 (`--max-tokens 0`) lifts the cap.
+DEFAULT_MAX_TOKENS = 256
 DEFAULT_SHUTDOWN_GRACE_S = 5.0  # how long a running reply may go on after SIGTERM before it is cut
 MAX_SHUTDOWN_GRACE_S = 3600.0  # a longer grace is a typo: a supervisor would kill the process first
 # Conversations whose caches `specedge serve` keeps: a voice agent talks to a few callers at once,

@@ -10,7 +10,8 @@ Conventions taken from the OpenAI API:
 
 * an explicit ``null`` means "the default", like an absent field;
 * ``temperature`` defaults to 1.0 (sampling), as OpenAI's does; send 0 for greedy;
-* chat ``max_tokens`` defaults to the room left in the context, completions' to 16.
+* chat ``max_tokens`` defaults to the room left in the context (capped by the server's
+  ``--max-tokens``, :data:`~.limits.DEFAULT_MAX_TOKENS`), completions' to 16.
 """
 
 from __future__ import annotations
@@ -320,10 +321,13 @@ def _prompt_ids(body: dict, generator) -> list[int]:
                "(specedge answers one prompt per request)")
 
 
-def parse_request(kind: str, body: dict, generator, *, model_name: str, speculation: bool = True) -> ParsedRequest:
+def parse_request(kind: str, body: dict, generator, *, model_name: str, speculation: bool = True,
+                  max_tokens: int | None = None) -> ParsedRequest:
     """Validate an OpenAI request body and encode its prompt.
 
     ``kind``: "chat" (``/v1/chat/completions``) or "completion" (``/v1/completions``).
+    ``max_tokens``: the server's cap on a chat reply that sends neither ``max_tokens`` nor
+    ``max_completion_tokens`` (None: the room left in the context); a request's own value wins.
     Raises :class:`APIError` (4xx) for anything a client got wrong.
     """
     chat = kind == "chat"
@@ -333,6 +337,7 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
         _check_known(body, _COMPLETIONS_KNOWN, _NEUTRAL_COMPLETIONS, "/v1/completions")
     model = _model(body, model_name)
     stream, include_usage = _stream_flags(body)
+    server_max_tokens = max_tokens
     max_tokens = _option(body, "max_completion_tokens", option="max_new_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _option(body, "max_tokens", option="max_new_tokens")
@@ -348,8 +353,11 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
         if err.status < 500:
             err.param = "messages" if chat else "prompt"
         raise err from None
-    if max_tokens is None:
-        max_tokens = generator.max_context - len(ids) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is None and chat:
+        room = generator.max_context - len(ids)
+        max_tokens = room if server_max_tokens is None else min(server_max_tokens, room)
+    elif max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     config = _config(body, max_tokens=max_tokens, chat=chat, server_speculation=speculation,
                      has_draft=generator.draft is not None)
     prefix = "chatcmpl-" if chat else "cmpl-"
@@ -364,8 +372,12 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 def usage(result: GenerationResult) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens taken
+    from a conversation slot instead of computed (``specedge.reused_tokens``), as OpenAI's prompt
+    caching reports them, so frameworks that log cache hits see ours."""
     prompt, completion = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.stats.reused_tokens}}
 
 
 def speculation_stats(result: GenerationResult, queue_s: float = 0.0) -> dict:

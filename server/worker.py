@@ -25,6 +25,7 @@ from collections import deque
 
 from ..errors import SpecedgeError
 from ..runtime.generator import GenerationConfig, Generator, TextStream
+from ..runtime.slots import common_prefix
 
 log = logging.getLogger("specedge.server")
 
@@ -102,6 +103,9 @@ class GenerationWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False  # shutting down: refuse new jobs, finish (or cut) the running one
+        # The latest prefill-ahead per cache namespace, until a generation runs under that namespace:
+        # (its name, its prompt). Only the worker thread reads and writes it.
+        self._prefilled: dict[str | None, tuple[str, list[int]]] = {}
         # Counters for /health; only ever incremented, under _cond.
         self.counters = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0, "failed": 0}
 
@@ -236,6 +240,7 @@ class GenerationWorker:
             return "cancelled"
         if job.prefill:
             return self._run_prefill(job)
+        self._check_prefill(job)
         try:
             stream = self.generator.stream(input_ids=job.prompt_ids, config=job.config)
             job._stream = stream
@@ -271,5 +276,27 @@ class GenerationWorker:
             return "failed"
         log.info("%s: prefilled %d tokens (%d reused) in %.0f ms", job.name, report["computed_tokens"],
                  report["reused_tokens"], report["seconds"] * 1e3)
+        if job.config.reuse_prefix:
+            self._prefilled[job.config.cache_salt] = (job.name, job.prompt_ids)
         job._emit("done", report)
         return "completed"
+
+    def _check_prefill(self, job: Job) -> None:
+        """Warn when the namespace's latest prefill shares less than half its tokens with this request.
+
+        A prefill pays only for what the request then shares with it; a recipe that prefills other
+        messages than the framework sends (no system prompt, another model id's template...) shares a
+        few tokens, fills a slot for nothing and leaves TTFT unchanged, silently. With several
+        conversations under one namespace (one key, no cache_salt), another caller's request can
+        come between a prefill and its own request and draw this warning too.
+        """
+        latest = self._prefilled.pop(job.config.cache_salt, None)
+        if latest is None or not job.config.reuse_prefix:
+            return
+        name, prefilled = latest
+        shared = common_prefix(prefilled, job.prompt_ids)
+        if 2 * shared < len(prefilled):
+            log.warning("prefill %s shared only %d of its %d tokens with the next request %s (%d prompt tokens), "
+                        "so it saved that request nothing: does the prefill send the same messages as the "
+                        "request, system prompt included (specedge.client builds them from the framework's "
+                        "own context)?", name, shared, len(prefilled), job.name, len(job.prompt_ids))

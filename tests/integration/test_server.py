@@ -620,6 +620,12 @@ def test_serve_command_passes_its_options_to_the_app(gen, monkeypatch):
     assert (server.api_keys, server.worker.queue_size, server.max_body_bytes, server.model_name) == (("k1",), 3, 999,
                                                                                                       "m")
     assert server.cache_sharing == "key"  # the default: clients with different keys or salts share nothing
+    assert server.max_tokens == 256  # the default reply cap for requests without max_tokens (Pipecat, LiveKit)
+    ran.clear()
+    result = CliRunner().invoke(main, ["serve", str(gen.bundle), "--no-warmup", "--max-tokens", "0"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0 and ran["app"].state.server.max_tokens is None  # 0: the context's end
+    assert "--max-tokens" in CliRunner().invoke(main, ["serve", "--help"]).output
     assert server.speculation is False and server.generator.draft is None  # the baseline loads no draft
 
 

@@ -46,6 +46,13 @@ def test_a_chat_request_is_the_templated_prompt_and_openais_defaults(gen):
     assert req.prompt_ids == expected and req.kind == "chat" and req.id.startswith("chatcmpl-")
     assert req.config.temperature == protocol.OPENAI_DEFAULT_TEMPERATURE  # OpenAI samples by default
     assert req.config.max_new_tokens == gen.max_context - len(expected)  # the room left in the context
+    # a server cap (`serve --max-tokens`) bounds that default; the request's own value wins over it
+    assert _parse(gen, "chat", {"messages": messages}, max_tokens=7).config.max_new_tokens == 7
+    assert _parse(gen, "chat", {"messages": messages, "max_tokens": 9}, max_tokens=7).config.max_new_tokens == 9
+    assert _parse(gen, "chat", {"messages": messages, "max_completion_tokens": 11},
+                  max_tokens=7).config.max_new_tokens == 11
+    assert _parse(gen, "completion", {"prompt": "w010"}, max_tokens=7).config.max_new_tokens == \
+        protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 def test_a_completion_takes_text_or_token_ids_and_16_tokens_by_default(gen):
@@ -99,7 +106,8 @@ def test_the_response_bodies_carry_the_generated_text_and_usage(gen):
     body = protocol.completion_body(req, result)
     assert body["choices"][0]["message"]["content"] == result.text and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(req.prompt_ids), "completion_tokens": 6,
-                             "total_tokens": len(req.prompt_ids) + 6}
+                             "total_tokens": len(req.prompt_ids) + 6,  # cached: OpenAI's name for reused
+                             "prompt_tokens_details": {"cached_tokens": result.stats.reused_tokens}}
     assert body["specedge"]["drafted"] == result.stats.drafted
     last = protocol.chunk(req, result=result)
     assert last["choices"][0]["finish_reason"] == "length" and last["object"] == "chat.completion.chunk"
