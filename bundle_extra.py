@@ -17,6 +17,7 @@ key                         type                                        written 
 ``cost_profile``            :class:`CostProfile`                         ``specedge tune`` / ``--tune``
 ``engines``                 role -> :class:`EngineRecord`                ``export --engine tensorrt``
 ``quant_tuning``            role -> :class:`QuantTuning`                 ``export --tune`` (block size)
+``gguf_import``             role -> weight -> :class:`KeptTensor`        export of a GGUF (file's quantization)
 ``quality``                 :class:`QualityRecord`                       export (a short ``specedge eval``)
 ==========================  ==========================================  ================================
 
@@ -264,6 +265,53 @@ class ExactSteps:
         return cls(bit_identical=read_field(obj, "bit_identical", where, bool),
                    **{k: finite(read_field(obj, k, where, (int, float)), dotted(where, k))
                       for k in ("two_row_step_cost", "one_row_step_ms")})
+
+
+@dataclass(frozen=True)
+class KeptTensor:
+    """How one graph weight (a MatMul's B, or ``embed``) carries a GGUF file's quantization
+    (export/gguf_import.py).
+
+    ``sources``: the GGUF tensors, fused along the output axis in this order; ``format``: their
+    GGUF type(s) ("Q4_1", "Q4_K+Q6_K"); ``kept``: "int4"/"int8" (MatMulNBits or
+    GatherBlockQuantized with the file's integers and scales) or "fp32" (no exact form: the
+    dequantized weight, ``reason`` says why); ``block_size``: elements per scale (0 for fp32);
+    ``offset``: an affine format's per-block offset is added in fp32 beside the blocks.
+    """
+
+    sources: tuple[str, ...]
+    format: str
+    kept: str
+    block_size: int
+    offset: bool
+    reason: str = ""
+
+    KEPT = ("int4", "int8", "fp32")
+    FIELDS = ("sources", "format", "kept", "block_size", "offset", "reason")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"sources": list(self.sources), "format": self.format, "kept": self.kept,
+               "block_size": self.block_size, "offset": self.offset}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "KeptTensor":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.FIELDS, where)
+        sources = read_field(obj, "sources", where, list)
+        for i, name in enumerate(sources):
+            check_type(name, f"{where}.sources[{i}]", str)
+        kept = read_field(obj, "kept", where, str)
+        if kept not in cls.KEPT:
+            raise ManifestError(f"manifest field '{where}.kept' must be one of {', '.join(cls.KEPT)}, got {show(kept)}")
+        block = read_field(obj, "block_size", where, int)
+        if block < 0:
+            raise ManifestError(f"manifest field '{where}.block_size' must be >= 0, got {block}")
+        return cls(sources=tuple(sources), format=read_field(obj, "format", where, str), kept=kept, block_size=block,
+                   offset=read_field(obj, "offset", where, bool),
+                   reason=read_field(obj, "reason", where, str, optional=True, default=""))
 
 
 # --------------------------------------------------------------------------- quantization tuning
@@ -623,10 +671,11 @@ class ManifestExtra:
     cost_profile: CostProfile | None = None
     engines: dict[str, EngineRecord] = field(default_factory=dict)
     quant_tuning: dict[str, QuantTuning] = field(default_factory=dict)
+    gguf_import: dict[str, dict[str, KeptTensor]] = field(default_factory=dict)  # role -> graph weight -> record
     quality: QualityRecord | None = None
 
     KEYS = ("validation", "batch_variance", "exact_steps", "context_warnings", "unknown_config_fields",
-            "export_seconds", "cost_profile", "engines", "quant_tuning", "quality")
+            "export_seconds", "cost_profile", "engines", "quant_tuning", "gguf_import", "quality")
 
     def target_batch_variance(self) -> float | None:
         """The target's measured batch variance (the near-tie gap's basis), None when not recorded."""
@@ -652,6 +701,9 @@ class ManifestExtra:
             out["engines"] = {role: r.to_dict() for role, r in self.engines.items()}
         if self.quant_tuning:
             out["quant_tuning"] = {role: r.to_dict() for role, r in self.quant_tuning.items()}
+        if self.gguf_import:
+            out["gguf_import"] = {role: {k: r.to_dict() for k, r in kept.items()}
+                                  for role, kept in self.gguf_import.items()}
         if self.quality is not None:
             out["quality"] = self.quality.to_dict()
         return out
@@ -684,6 +736,7 @@ class ManifestExtra:
         engines = _role_map(sub("engines"), f"{where}.engines")
         tuning = _role_map(sub("quant_tuning"), f"{where}.quant_tuning")
         profile = obj.get("cost_profile")
+        kept = _role_map(sub("gguf_import"), f"{where}.gguf_import")
         quality = obj.get("quality")
         return cls(
             validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
@@ -695,5 +748,8 @@ class ManifestExtra:
             cost_profile=CostProfile.from_dict(profile, f"{where}.cost_profile") if profile is not None else None,
             engines={role: EngineRecord.from_dict(v, f"{where}.engines.{role}") for role, v in engines.items()},
             quant_tuning={role: QuantTuning.from_dict(v, f"{where}.quant_tuning.{role}") for role, v in tuning.items()},
+            gguf_import={role: {str(k): KeptTensor.from_dict(r, f"{where}.gguf_import.{role}.{k}")
+                                for k, r in check_type(v, f"{where}.gguf_import.{role}", dict).items()}
+                         for role, v in kept.items()},
             quality=QualityRecord.from_dict(quality, f"{where}.quality") if quality is not None else None,
         )

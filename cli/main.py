@@ -124,7 +124,9 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write (checked before "
               "the export starts; a symlink, even a dangling one, is followed: the bundle is written where it points).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
-              show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits).")
+              show_default=True, help="Target precision. int4/int8 are weight-only (MatMulNBits). A GGUF source "
+              "at int4 keeps the file's own quantization (its 4- and 8-bit blocks, scales and offsets, never "
+              "rounded again; the manifest records each weight's form); see --requantize.")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
               help="Draft precision (default: the target's).")
 @click.option("--draft-layers", type=int, default=None,
@@ -145,6 +147,9 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
+@click.option("--requantize", is_flag=True, help="GGUF sources: round the file's dequantized weights again to "
+              "symmetric blocks at --precision's bits and --block-size (what int4 did before it kept the file's "
+              "quantization; int8 of a GGUF needs this flag).")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
 @click.option("--engine", type=click.Choice(ENGINES), default="onnxruntime", show_default=True,
               help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
@@ -164,7 +169,7 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
+           accuracy_level, attention, requantize, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
            as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
@@ -183,7 +188,8 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         draft_layers=draft_layers, draft_vocab=draft_vocab,
         max_context=max_context, max_draft_tokens=max_draft_tokens,
         block_size=32 if block_size is None else block_size, tune_block_size=tune and block_size is None, exact=exact,
-        accuracy_level=accuracy_level, attention=attention, trust_pickle=trust_pickle, overwrite=overwrite,
+        accuracy_level=accuracy_level, attention=attention, requantize=requantize, trust_pickle=trust_pickle,
+        overwrite=overwrite,
         quiet=quiet))
     if engine == "tensorrt":
         from ..export.tensorrt import build_engines_for_bundle

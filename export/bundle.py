@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
-from ..bundle_extra import ComparisonRecord, ManifestExtra, QuantTuning, ValidationRecord
+from ..bundle_extra import ComparisonRecord, KeptTensor, ManifestExtra, QuantTuning, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
@@ -62,6 +62,9 @@ class ExportConfig:
     # (what GenerationConfig(exact=True) needs); off, it times 1-row steps, as fast mode runs them.
     exact: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
+    # A GGUF source at int4 keeps the file's own quantization (export/gguf_import.py); True rounds its
+    # dequantized weights again, to symmetric blocks at --precision's bits (the way an HF checkpoint is).
+    requantize: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
@@ -138,6 +141,7 @@ class _ModelExporter:
         self.reports: dict[str, ValidationRecord | ComparisonRecord] = {}  # "role:label" -> record
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
         self.quant_tuning: dict[str, QuantTuning] = {}  # role -> the block-size choice (export --tune)
+        self.gguf_import: dict[str, dict[str, KeptTensor]] = {}  # role -> what each weight kept of the GGUF
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
         """Spec and weights of an early-exit and/or vocabulary-truncated copy of this model."""
@@ -191,7 +195,16 @@ class _ModelExporter:
         self.reports[f"{role}:fp32-untied"] = validate_graph(
             self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
         bits = 4 if precision == "int4" else 8
-        if tune_block_size:
+        gguf = self._gguf_to_keep(precision)
+        if gguf is not None:
+            from .gguf_import import import_gguf
+
+            if tune_block_size:
+                self.progress("tune: the GGUF's own blocks are kept, so there is no block size to choose")
+            files, self.gguf_import[role] = import_gguf(
+                src_graph, graph, gguf, self.weights, n_layers=spec.n_layers, n_heads=spec.n_heads,
+                n_kv_heads=spec.n_kv_heads, accuracy_level=cfg.accuracy_level, head_ids=head_ids, note=self.progress)
+        elif tune_block_size:
             files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
                                              head_file)
         else:
@@ -202,6 +215,19 @@ class _ModelExporter:
         self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)
         return entry
+
+    def _gguf_to_keep(self, precision: str) -> Path | None:
+        """The GGUF file whose quantization an int4 export keeps, or None (an HF source, or --requantize).
+
+        int8 would round a GGUF's already quantized weights again: it is refused unless asked for."""
+        origin = self.loaded.origin
+        if origin is None or not origin.is_file() or origin.suffix != ".gguf" or self.config.requantize:
+            return None
+        if precision != "int4":
+            raise ExportError(f"{origin.name} is already quantized: --precision int4 keeps the file's own "
+                              f"quantization (4- or 8-bit blocks, as the file has them), {precision} would round its "
+                              "weights a second time; pass --requantize to do that anyway")
+        return origin
 
     def _tuned_quantization(self, role: str, src_entry: ModelEntry, src_graph: Path, graph: Path, bits: int,
                             source: str, precision: str, spec, head_file: Path | None) -> list[Path]:
@@ -368,6 +394,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         reports = dict(target_exp.reports)
         variance = dict(target_exp.batch_variance)
         quant_tuning = dict(target_exp.quant_tuning)
+        gguf_kept = dict(target_exp.gguf_import)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
         unknown = {"target": tuple(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
@@ -391,6 +418,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                       tune_block_size=config.tune_block_size and precision in QUANTIZED)
             reports.update(target_exp.reports)
             quant_tuning.update(target_exp.quant_tuning)
+            gguf_kept.update(target_exp.gguf_import)
             variance.update(target_exp.batch_variance)
         # A short `specedge eval` while the source is in memory for validation anyway (export/quality.py).
         from .quality import export_quality
@@ -414,6 +442,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                      tune_block_size=config.tune_block_size and draft_precision in QUANTIZED)
             reports.update(draft_exp.reports)
             quant_tuning.update(draft_exp.quant_tuning)
+            gguf_kept.update(draft_exp.gguf_import)
             variance.update(draft_exp.batch_variance)
             if draft_exp.context_warning:
                 warned["draft"] = draft_exp.context_warning
@@ -437,6 +466,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             files=files, created_by=f"specedge {__version__}",
             extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
                                 quant_tuning=quant_tuning, context_warnings=warned, unknown_config_fields=unknown,
+                                gguf_import=gguf_kept,
                                 export_seconds=round(time.perf_counter() - started, 1), quality=quality),
         )
         write_manifest(tmp, manifest)

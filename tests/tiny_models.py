@@ -225,8 +225,36 @@ def gemma_tokens() -> list[str]:
     return list(dict.fromkeys(tokens))
 
 
-def write_gguf(folder: Path, out: Path) -> Path:
-    """Write the tiny model in ``folder`` as an F32 GGUF file the way llama.cpp's converter names it.
+# Byte offsets of the fp16 scale fields in one block of the K-quant types write_gguf fills at random.
+_K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _gguf_blocks(data: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """``data`` [rows, cols] float32 as GGML ``kind`` blocks, [rows, bytes] uint8 (see :func:`write_gguf`)."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind not in _K_FP16_FIELDS:
+        return gguf.quantize(data, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (data.shape[0], data.shape[1] // block, size), dtype=np.uint8)
+    # |value| up to about 3 std: Q4_K/Q5_K d*sc*q (sc < 64, q < 32), Q6_K d*sc*(q-32) (|sc| <= 128).
+    step = 3 * float(data.std()) / (64 * 32 if kind != "Q6_K" else 128 * 32)
+    for offset in _K_FP16_FIELDS[kind]:
+        scale = (rng.uniform(0.5, 1.5, raw.shape[:2]) * step).astype(np.float16)
+        raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(data.shape[0], -1)
+
+
+def write_gguf(folder: Path, out: Path, types: dict[str, str] | None = None, seed: int = 0) -> Path:
+    """Write the tiny model in ``folder`` as a GGUF file the way llama.cpp's converter names it.
+
+    ``types``: GGUF tensor name, or its name within a block ("attn_v.weight"), -> GGML type name
+    ("Q4_0", "Q6_K", ...); other tensors are F32. Types the ``gguf`` package quantizes (Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0) quantize the model's weights; it has no K-quant quantizer, so Q4_K, Q5_K and
+    Q6_K tensors are random blocks (``seed``) scaled to the weight's magnitude: the file then
+    defines those weights, and transformers' dequantization of it is the reference.
 
     Tensor names come from the ``gguf`` package's own HF -> GGUF name map. Families written: qwen3
     (its GGUF tensors are the HF tensors renamed; the tokenizer is a byte-level BPE vocabulary
@@ -238,8 +266,11 @@ def write_gguf(folder: Path, out: Path) -> Path:
     """
     import gguf
 
+    import numpy as np
+
     model = load_hf(folder)
     cfg = model.config
+    rng = np.random.default_rng(seed)
     if cfg.model_type not in ("qwen3", "gemma3_text"):
         raise ValueError(f"write_gguf writes qwen3 and gemma3_text only, not {cfg.model_type!r}")
     gemma = cfg.model_type == "gemma3_text"
@@ -298,7 +329,13 @@ def write_gguf(folder: Path, out: Path) -> Path:
         data = tensor.float().numpy()
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0  # Gemma's RMSNorm scales by (1 + w); the GGUF stores 1 + w
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        kind = (types or {}).get(gguf_name) or (types or {}).get(gguf_name.split(".", 2)[-1])
+        if kind is None:
+            writer.add_tensor(gguf_name, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, _gguf_blocks(data, kind, rng), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,401 @@
+"""Carry a GGUF file's own quantized blocks into the ONNX graph, without rounding anything twice.
+
+A GGUF export first builds and validates the fp32 graph from transformers' dequantized
+weights. This module then replaces each MatMul weight (and the embedding's Gather) whose
+source tensors are quantized in the file by ONNX Runtime's ``MatMulNBits`` (or
+``GatherBlockQuantized``) holding the file's own integers and scales:
+
+==========  ==================================  =======  =====  ================================
+GGUF type   value (per block)                   bits     block  form
+==========  ==================================  =======  =====  ================================
+Q4_0        d * (q - 8), q in 0..15              4        32     q, scale d, zero point 8
+Q8_0        d * q, q in -128..127                8        32     q + 128, scale d, zero point 128
+Q5_0        d * (q - 16), q in 0..31             8        32     q + 112, scale d, zero point 128
+Q6_K        d * sc * (q - 32), q in 0..63        8        16     q + 96, scale d*sc, zero point 128
+Q4_1        d * q + m                            4        32     q, scale d, zero point 8, + offset
+Q4_K        d*sc * q - dmin*mn (sub-blocks 32)   4        32     q, scale d*sc, zero point 8, + offset
+Q5_1 / K    as Q4_1 / Q4_K with q in 0..31       8        32     q + 112, zero point 128, + offset
+==========  ==================================  =======  =====  ================================
+
+Affine formats (Q4_1, Q4_K, Q5_1, Q5_K) have a per-block offset whose zero point ``-offset/d`` is
+not an integer. ONNX Runtime's CPU ``MatMulNBits`` accepts a float zero point at 4 bits only, and
+then dequantizes the whole weight on every call (about 150 ms for a 1536 x 8960 weight, 16x an
+fp32 MatMul), and refuses it at 8 bits; ``GatherBlockQuantized`` takes uint8 zero points only.
+So the offset is kept apart, exactly: ``x @ W = x @ (scale * (q - zp)) + blocksum(x) @ offset``,
+with ``blocksum(x)`` the sums of x over each block of the input axis ([n, K/block]) and
+``offset`` a [K/block, N] fp32 matrix (one float per block, the size of a float zero point).
+``offset = m + zp * d`` is the only rounding (fp32, once). An embedding's offset rows are
+gathered and spread over their blocks by a 0/1 [K/block, K] matrix (exact).
+
+Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) keeps the fp32 weight of the
+validated graph: where no exact form exists, precision goes up, never down.
+
+8-bit ``MatMulNBits`` has no fp32-activation path on ONNX Runtime's CPU (accuracy_level 1
+dequantizes every call, slower than fp32), so 8-bit forms are written only at accuracy_level 4
+(int8 activations per block, as llama.cpp's own dot products); at a lower accuracy level those
+weights stay fp32.
+
+Each form is checked before it is written: its blocks, dequantized in numpy, must equal the
+graph's fp32 weight (transformers' dequantization, after its q/k row permutation for llama)
+bit for bit for the exact forms, and to fp32 rounding for the offset forms. A weight whose
+blocks do not reproduce it stays fp32, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..bundle_extra import KeptTensor
+
+QK_K = 256  # elements per K-quant super-block
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """A [N, K] weight as ``scale * (q - 2**(bits-1)) + offset`` per block of the input axis.
+
+    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``, ``offsets`` (or None): [N, K/block] float32.
+    """
+
+    q: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    bits: int
+    block: int
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, as ONNX Runtime reads the form (the offset added last)."""
+        zp = np.float32(1 << (self.bits - 1))
+        w = self.scales[..., None] * (self.q.astype(np.float32) - zp)
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return w.reshape(w.shape[0], -1)
+
+    def packed(self) -> np.ndarray:
+        """[N, K/block, block*bits/8] uint8: MatMulNBits' B (4 bits: element 2j low nibble, 2j+1 high)."""
+        if self.bits == 8:
+            return np.ascontiguousarray(self.q)
+        return np.ascontiguousarray(self.q[..., 0::2] | (self.q[..., 1::2] << 4))
+
+    def widened(self, bits: int, block: int) -> "BlockForm":
+        """The same values at ``bits`` >= self.bits and ``block`` dividing self.block (exact: q moves by
+        the zero points' difference, and each block's scale and offset repeat over its sub-blocks)."""
+        q = self.q if bits == self.bits else (self.q + ((1 << (bits - 1)) - (1 << (self.bits - 1)))).astype(np.uint8)
+        if block == self.block:
+            return BlockForm(q, self.scales, self.offsets, bits, block)
+        split = self.block // block
+        n = q.shape[0]
+        off = None if self.offsets is None else np.repeat(self.offsets, split, axis=1)
+        return BlockForm(q.reshape(n, -1, block), np.repeat(self.scales, split, axis=1), off, bits, block)
+
+    def rows(self, index: np.ndarray) -> "BlockForm":
+        off = None if self.offsets is None else self.offsets[index]
+        return BlockForm(self.q[index], self.scales[index], off, self.bits, self.block)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32 (a little-endian fp16 field)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_split(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: low nibbles are elements 0..15, high nibbles 16..31 (Q4_0/Q4_1/Q5_x)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., n] bits: element j is bit j (Q5_0/Q5_1)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :n]
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> (scale, min) [..., 8] 6-bit integers of the eight sub-blocks.
+
+    Bytes 0-3: low 6 bits are scales 0-3, top 2 bits the high bits of scales 4-7; bytes 4-7: the
+    same for mins; bytes 8-11: low nibble the low 4 bits of scales 4-7, high nibble of mins 4-7.
+    """
+    s = scales.astype(np.uint8)
+    lo_s, lo_m, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo_s & 63, (mix & 15) | ((lo_s >> 6) << 4)], axis=-1)
+    mn = np.concatenate([lo_m & 63, (mix >> 4) | ((lo_m >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _decode(kind: str, raw: np.ndarray) -> BlockForm | None:
+    """A GGUF tensor's bytes ([N, bytes per row] uint8) as its exact block form, or None (kept float)."""
+    n = raw.shape[0]
+    f32 = np.float32
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind]
+        b = raw.reshape(n, -1, size)
+        d = _f16(b[..., 0:2].reshape(n, -1, 2))
+        if kind == "Q8_0":
+            q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            return BlockForm(q, d, None, 8, 32)
+        affine = kind in ("Q4_1", "Q5_1")
+        m = _f16(b[..., 2:4]) if affine else None
+        start = 4 if affine else 2
+        if kind.startswith("Q4"):
+            q = _nibbles_split(b[..., start:start + 16])
+            return BlockForm(q, d, None if m is None else m + f32(8) * d, 4, 32)
+        q5 = _nibbles_split(b[..., start + 4:start + 20]) | (_high_bits(b[..., start:start + 4], 32) << 4)
+        return BlockForm((q5 + 112).astype(np.uint8), d, None if m is None else m + f32(16) * d, 8, 32)
+    if kind in ("Q4_K", "Q5_K"):
+        size = 144 if kind == "Q4_K" else 176
+        b = raw.reshape(n, -1, size)  # [N, super-blocks, bytes]
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        scale = (d[..., None] * sc.astype(f32))  # [N, S, 8], exact: fp16 x 6-bit integer
+        minimum = (dmin[..., None] * mn.astype(f32))
+        if kind == "Q4_K":
+            qs = b[..., 16:144].reshape(n, -1, 4, 32)  # chunk c holds sub-blocks 2c (low) and 2c+1 (high)
+            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+            zp, bits = f32(8), 4
+        else:
+            qh = b[..., 16:48]  # [N, S, 32]: bit i of byte j is the high bit of sub-block i's element j
+            qs = b[..., 48:176].reshape(n, -1, 4, 32)
+            low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+            high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, S, 8, 32]
+            q = ((low | (high << 4)) + 112).astype(np.uint8)
+            zp, bits = f32(16), 8
+        return BlockForm(q.reshape(n, -1, 32), scale.reshape(n, -1), (zp * scale - minimum).reshape(n, -1), bits, 32)
+    if kind == "Q6_K":
+        b = raw.reshape(n, -1, 210)
+        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208].view(np.int8)
+        d = _f16(b[..., 208:210])
+        # Each 128-element half h reads 64 ql bytes (low nibbles: elements 0-63, high: 64-127) and
+        # 32 qh bytes (bit pairs 0,2,4,6: elements 0-31, 32-63, 64-95, 96-127).
+        low = np.stack([ql.reshape(n, -1, 2, 64) & 15, ql.reshape(n, -1, 2, 64) >> 4], axis=3).reshape(n, -1, 2, 128)
+        qh2 = qh.reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+        high = (qh2 & 3).reshape(n, -1, 2, 128)
+        q = ((low | (high << 4)) + 96).astype(np.uint8).reshape(n, -1, 16)
+        scale = (d[..., None] * sc.astype(f32)).reshape(n, -1)  # fp16 x int8: exact
+        return BlockForm(q, scale, None, 8, 16)
+    return None
+
+
+def _llama_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order transformers' GGUF loader gives llama's q/k weights: llama.cpp stores each head's
+    rotary pairs interleaved; the loader moves them back to halves (rows of head h: pairs, then halves)."""
+    half = n_rows // n_heads // 2
+    return np.arange(n_rows).reshape(n_heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GgufTensors:
+    """The tensors of one GGUF file, by name (memory-mapped by the ``gguf`` package's reader)."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        field = self.reader.fields.get("general.architecture")
+        self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+
+    def kind(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def form(self, name: str) -> BlockForm | None:
+        t = self.tensors[name]
+        rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+        return _decode(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1).view(np.uint8))
+
+
+def source_names(arch: str, n_layers: int) -> dict[str, list[list[str]]]:
+    """Graph weight name -> candidate GGUF tensor lists (each list fused along the output axis).
+
+    The base decoder's layout (export/families/base.py): qkv = q|k|v, gate_up = gate|up, o, down,
+    the embedding, and the output layer, which transformers reads from ``output`` or, tied, from
+    ``token_embd``. Names come from the ``gguf`` package's own HF -> GGUF map.
+    """
+    import gguf
+
+    archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in archs:
+        return {}
+    names = gguf.get_tensor_name_map(archs[arch], n_layers)
+
+    def g(hf: str) -> str | None:
+        found = names.get_name(hf)
+        return None if found is None else found + ".weight"
+
+    out: dict[str, list[list[str]]] = {"embed": [[g("model.embed_tokens")]],
+                                       "lm_head": [[g("lm_head")], [g("model.embed_tokens")]]}
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        out[f"layers.{i}.qkv"] = [[g(f"{p}.self_attn.{x}_proj") for x in "qkv"]]
+        out[f"layers.{i}.o"] = [[g(f"{p}.self_attn.o_proj")]]
+        out[f"layers.{i}.gate_up"] = [[g(f"{p}.mlp.gate_proj"), g(f"{p}.mlp.up_proj")]]
+        out[f"layers.{i}.down"] = [[g(f"{p}.mlp.down_proj")]]
+    return {k: [c for c in cands if None not in c] for k, cands in out.items()}
+
+
+def _reproduces(form: BlockForm, reference: np.ndarray) -> bool:
+    """``form`` dequantizes to ``reference`` ([N, K]): bit for bit without an offset, else to fp32 rounding
+    (one rounding of ``m + zp*d`` and one of the sum: 2 ulp of the block's largest term)."""
+    deq = form.dequantize()
+    if deq.shape != reference.shape:
+        return False
+    if form.offsets is None:
+        return bool(np.array_equal(deq, reference))
+    zp = float(1 << (form.bits - 1))
+    bound = (np.abs(form.scales) * (2 ** form.bits + zp) + np.abs(form.offsets))[..., None]
+    err = np.abs(deq - reference).reshape(form.q.shape[0], -1, form.block)
+    return bool((err <= 2 * np.finfo(np.float32).eps * bound).all())
+
+
+def _fused_form(tensors: GgufTensors, names: list[str], reference: np.ndarray,
+                n_heads: int, n_kv_heads: int) -> tuple[BlockForm | None, str]:
+    """The fused form of ``names`` reproducing ``reference`` ([N, K]), or (None, why not)."""
+    forms, kinds, start = [], [], 0
+    for name in names:
+        kinds.append(tensors.kind(name))
+        form = tensors.form(name)
+        if form is None:
+            return None, f"{kinds[-1]} has no exact MatMulNBits form"
+        rows = form.q.shape[0]
+        part = reference[start:start + rows]
+        start += rows
+        if not _reproduces(form, part):
+            # transformers moves llama's q/k rows back from llama.cpp's interleaved rotary order.
+            heads = n_kv_heads if ".attn_k." in name else n_heads
+            permuted = form.rows(_llama_rows(rows, heads)) if rows % (2 * heads) == 0 else None
+            if permuted is None or not _reproduces(permuted, part):
+                return None, f"the blocks of {name} do not reproduce the dequantized weight"
+            form = permuted
+        forms.append(form)
+    if start != reference.shape[0]:
+        return None, f"the fused parts have {start} rows, the weight {reference.shape[0]}"
+    # Parts of one fused weight in different forms (Q4_K_M's q/k Q4_K with v Q6_K) share the widest
+    # bits and the smallest block, both exact widenings.
+    bits, block = max(f.bits for f in forms), min(f.block for f in forms)
+    forms = [f.widened(bits, block) for f in forms]
+    offsets = None
+    if any(f.offsets is not None for f in forms):
+        offsets = np.concatenate([f.offsets if f.offsets is not None else np.zeros_like(f.scales) for f in forms])
+    return BlockForm(np.concatenate([f.q for f in forms]), np.concatenate([f.scales for f in forms]), offsets,
+                     forms[0].bits, forms[0].block), "+".join(sorted(set(kinds)))
+
+
+def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.ndarray], *, n_layers: int,
+                n_heads: int, n_kv_heads: int, accuracy_level: int, head_ids: np.ndarray | None = None,
+                note: Callable[[str], None] = lambda _: None) -> tuple[list[Path], dict[str, KeptTensor]]:
+    """Rewrite the validated fp32 graph ``src`` into ``dst`` (+ .data) with the file's own blocks.
+
+    ``weights``: the model's canonical fp32 weights ([in, out] for linears, [vocab, hidden] for
+    ``embed``; ``lm_head`` absent when tied), the reference each form must reproduce; for a
+    vocabulary-truncated draft, the full ones, and ``head_ids`` the output rows its head keeps. Returns the files
+    written and, per graph weight (MatMul B or the embedding), what was kept.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    tensors = GgufTensors(gguf_path)
+    candidates = source_names(tensors.arch, n_layers)
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    record: dict[str, KeptTensor] = {}
+    new_nodes, new_inits, dropped = [], [], set()
+
+    def reference(key: str) -> np.ndarray:
+        if key == "embed":
+            return weights["embed"]
+        w = weights[key] if key in weights else weights["embed"].T  # tied: the head is the embedding
+        return np.ascontiguousarray(w.T)  # [out, in]
+
+    def choose(key: str) -> tuple[BlockForm | None, KeptTensor]:
+        why, kinds, names = "no GGUF tensor maps to it", "", []
+        for names in candidates.get(key, []):
+            if any(n not in tensors.tensors for n in names):
+                continue
+            form, kinds = _fused_form(tensors, names, reference(key), n_heads, n_kv_heads)
+            if form is None:
+                why, kinds = kinds, "+".join(sorted({tensors.kind(n) for n in names}))
+                continue
+            if key == "lm_head" and head_ids is not None:
+                form = form.rows(head_ids)  # a vocabulary-truncated head keeps these output rows
+            if form.bits == 8 and accuracy_level < 4:
+                return None, KeptTensor(tuple(names), kinds, "fp32", 0, False,
+                                        "8-bit MatMulNBits has no fp32-activation path on CPU: kept fp32 at "
+                                        f"accuracy_level {accuracy_level}")
+            return form, KeptTensor(tuple(names), kinds, f"int{form.bits}", form.block, form.offsets is not None, "")
+        return None, KeptTensor(tuple(names), kinds, "fp32", 0, False, why)
+
+    for node in graph.node:
+        key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
+        if key is None or key not in inits or (key != "embed" and key not in candidates):
+            new_nodes.append(node)
+            continue
+        form, kept = choose(key)
+        record[key] = kept
+        if form is None:
+            new_nodes.append(node)
+            continue
+        dropped.add(key)
+        n_out, n_blocks = form.q.shape[0], form.q.shape[1]
+        k = n_blocks * form.block
+        scales = numpy_helper.from_array(form.scales.astype(np.float32), f"{key}.gguf_scales")
+        if node.op_type == "Gather":
+            data = numpy_helper.from_array(form.packed().reshape(n_out, -1), f"{key}.gguf_q")
+            new_inits += [data, scales]
+            out = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
+            new_nodes.append(helper.make_node("GatherBlockQuantized", [data.name, node.input[1], scales.name], [out],
+                                              name=f"{key}.gguf_gather", domain="com.microsoft", bits=form.bits,
+                                              block_size=form.block, gather_axis=0, quantize_axis=1))
+            if form.offsets is not None:
+                # offsets [vocab, K/block] gathered, spread over their blocks by a 0/1 [K/block, K] matrix
+                spread = np.repeat(np.eye(n_blocks, dtype=np.float32), form.block, axis=1)
+                off = numpy_helper.from_array(form.offsets.astype(np.float32), f"{key}.gguf_offsets")
+                spr = numpy_helper.from_array(spread, f"{key}.gguf_spread")
+                new_inits += [off, spr]
+                rows = helper.make_node("Gather", [off.name, node.input[1]], [f"{key}.gguf_off_rows"],
+                                        name=f"{key}.gguf_off_gather", axis=0)
+                wide = helper.make_node("MatMul", [rows.output[0], spr.name], [f"{key}.gguf_off_wide"],
+                                        name=f"{key}.gguf_off_spread")
+                new_nodes += [rows, wide, helper.make_node("Add", [out, wide.output[0]], [node.output[0]],
+                                                           name=f"{key}.gguf_add")]
+            continue
+        data = numpy_helper.from_array(form.packed(), f"{key}.gguf_q")
+        new_inits += [data, scales]
+        x = node.input[0]
+        out = node.output[0] if form.offsets is None else f"{key}.gguf_main"
+        new_nodes.append(helper.make_node("MatMulNBits", [x, data.name, scales.name], [out], name=f"{key}.gguf_matmul",
+                                          domain="com.microsoft", K=k, N=n_out, bits=form.bits,
+                                          block_size=form.block, accuracy_level=accuracy_level))
+        if form.offsets is not None:
+            # x @ W = MatMulNBits(x) + blocksum(x) @ offsets: [rows, K/block] @ [K/block, N], broadcast back
+            # onto [1, n, N] / [n, N].
+            shape = numpy_helper.from_array(np.array([-1, n_blocks, form.block], np.int64), f"{key}.gguf_blocks")
+            axes = numpy_helper.from_array(np.array([-1], np.int64), f"{key}.gguf_axes")
+            off = numpy_helper.from_array(np.ascontiguousarray(form.offsets.T.astype(np.float32)),
+                                          f"{key}.gguf_offsets")
+            new_inits += [shape, axes, off]
+            nodes = [helper.make_node("Reshape", [x, shape.name], [f"{key}.gguf_x_blocks"], name=f"{key}.gguf_reshape"),
+                     helper.make_node("ReduceSum", [f"{key}.gguf_x_blocks", axes.name], [f"{key}.gguf_x_sums"],
+                                      name=f"{key}.gguf_blocksum", keepdims=0),
+                     helper.make_node("MatMul", [f"{key}.gguf_x_sums", off.name], [f"{key}.gguf_offset"],
+                                      name=f"{key}.gguf_offset_matmul"),
+                     helper.make_node("Add", [out, f"{key}.gguf_offset"], [node.output[0]], name=f"{key}.gguf_add")]
+            new_nodes += nodes
+    read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
+    kept_inits = [t for t in graph.initializer if t.name not in dropped or t.name in read]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept_inits + new_inits)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    counts: dict[str, int] = {}
+    for kept in record.values():
+        counts[kept.kept] = counts.get(kept.kept, 0) + 1
+    note("kept the GGUF's quantization: " + ", ".join(f"{n} weights {k}" for k, n in sorted(counts.items())))
+    data_path = dst.with_name(dst.name + ".data")
+    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_path.name, size_threshold=1024)
+    return [dst] + ([data_path] if data_path.exists() else []), record
