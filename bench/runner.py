@@ -105,7 +105,7 @@ class RunRecord:
     near_ties: int
     mode_s: dict[str, float]
     rss_peak_mb: float
-    # The default policy's steps by source (GenerationStats; 0 for other configurations).
+    # The default policy's steps by source (GenerationStats.policy; 0 for other configurations).
     lookup_steps: int = 0  # guesses included
     guess_steps: int = 0
     model_steps: int = 0
@@ -371,7 +371,8 @@ def _record(result, workload: Workload, config: str, round_: int, rss: float) ->
                      drafted=s.drafted, accepted=s.accepted, drafted_per_position=list(s.drafted_per_position),
                      accepted_per_position=list(s.accepted_per_position), k_chosen=dict(s.k_chosen),
                      near_ties=s.near_ties, mode_s=dict(s.mode_s), rss_peak_mb=rss,
-                     lookup_steps=s.lookup_steps, guess_steps=s.guess_steps, model_steps=s.model_steps,
+                     lookup_steps=int(s.policy.get("lookup_steps", 0)), guess_steps=int(s.policy.get("guess_steps", 0)),
+                     model_steps=int(s.policy.get("model_steps", 0)),
                      source_s=dict(s.source_s), source_tokens=dict(s.source_tokens))
 
 

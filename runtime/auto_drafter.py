@@ -11,7 +11,7 @@ expected to yield the most accepted tokens (common/speculative.cpp):
 - **model**: the bundle's draft model, when it has one. It costs draft steps and a catch-up on
   history it has not read.
 
-The default controller (:class:`~.controller.DefaultK`) chooses the source of each step
+The default controller (:class:`~.policies.DefaultK`) chooses the source of each step
 (``propose``'s ``source``) from each one's expected tokens per second, and pays the model's
 probes from a budget. A controller that does not choose (``ANY_SOURCE``: a fixed or plain
 adaptive k) gets a strong lookup whenever one exists, else the model. Without a draft model

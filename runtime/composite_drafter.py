@@ -1,6 +1,6 @@
 """The composite drafter: prompt lookup (n-gram) or the draft model.
 
-Adaptive, it runs under the default controller (:class:`~.controller.DefaultK`), which chooses
+Adaptive, it runs under the default controller (:class:`~.policies.DefaultK`), which chooses
 each step's source from each one's own acceptance and cost, as for the default drafter
 (runtime/auto_drafter.py, whose lookup is the suffix drafter with earlier replies). With a
 fixed k (``ANY_SOURCE``) it drafts the n-gram match when there is one, else the model.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the re
     from .verify import Proposal
 
 
-# Where a step's draft comes from (the controller's DraftPlan.source, runtime/controller.py).
+# Where a step's draft comes from (the controller's DraftPlan.source, runtime/policies).
 ANY_SOURCE = "any"  # the drafter's own order (a controller that does not choose between sources)
 LOOKUP_SOURCE = "lookup"  # a lookup: no model runs
 MODEL_SOURCE = "model"  # the draft model
@@ -46,7 +46,7 @@ SOURCES = (ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE)
 # badly (the n-gram drafter measured 0.0-0.2 acceptance on chat and voice replies, below the
 # break-even of a k-token verify). A 1-token match is only a *guess*: the default drafts one where a
 # plain step would run anyway, on an exact 2-row step whose second row is otherwise a recompute
-# (engines/invariant.py), and learns its acceptance apart (runtime/controller.py DefaultK).
+# (engines/invariant.py), and learns its acceptance apart (runtime/policies/default.py DefaultK).
 STRONG_MATCH = 2
 
 
@@ -129,7 +129,7 @@ class DrafterSpec:
     # drafter): its cost model starts from the draft's measured costs.
     optional_draft_model: bool = False
     # Drafts from a lookup and from the draft model, the source chosen per step: adaptive, it runs
-    # under the default controller (runtime/controller.py DefaultK), which learns each source's
+    # under the default controller (runtime/policies/default.py DefaultK), which learns each source's
     # acceptance apart. One shared estimate let a few rejected model drafts switch off lookups that
     # were right (traced on `specedge demo`: 3 rejected model steps, then 15 plain steps on a
     # reply the n-gram lookup copies from the prompt, 0.79x plain).

@@ -39,11 +39,11 @@ from . import costs as step_costs
 from . import loop
 from . import prompt_cache
 from .profile import save as save_profile
-from .controller import AdaptiveK, Controller, DefaultK, FixedK
 from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
                        uses_draft_model)
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
+from .policies import POLICIES, Controller, PolicySetup, policy_for
 from .slots import CacheSlot, SlotPool, common_prefix
 from .stats import GenerationStats
 from .text import StreamDecoder
@@ -225,26 +225,14 @@ class Generator:
         if config.draft_tokens is not None and config.adaptive is None:
             adaptive = False  # an explicit k means "this k"
         has_model = uses_draft_model(name, self.draft is not None)
-        if adaptive and DRAFTERS[name].per_source:
-            # The default policy: per step the source expected fastest (lookup, model, plain), on a budget.
-            max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
-            learned = self.memory.learned_for(name)
-            controller = DefaultK(max_k, costs=self.memory.costs_for(name, exact=config.exact, uses_model=has_model),
-                                  has_model=has_model, start_k=config.draft_tokens or spec.draft_tokens,
-                                  model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
-                                  lookup_acceptance=learned.lookup_acceptance,
-                                  lookup_observed=learned.lookup_observed, budget_s=learned.budget_s or 0.0,
-                                  model_realized=learned.model_realized, lookup_share=learned.lookup_share)
-        elif adaptive:
-            max_k = max(spec.max_draft_tokens, config.draft_tokens or 0)
-            alpha, observed = self.memory.acceptance_for(name)
-            controller = AdaptiveK(max_k, costs=self.memory.costs_for(name, exact=config.exact, uses_model=has_model),
-                                   start_k=config.draft_tokens or spec.draft_tokens, acceptance=alpha,
-                                   observed=observed)
-        else:
-            k = spec.draft_tokens if config.draft_tokens is None else config.draft_tokens
-            controller = FixedK(k)
-        return name, controller
+        policy = policy_for(adaptive=adaptive, per_source=DRAFTERS[name].per_source)
+        setup = PolicySetup(draft_tokens=spec.draft_tokens if config.draft_tokens is None else config.draft_tokens,
+                            start_k=config.draft_tokens or spec.draft_tokens,
+                            max_draft_tokens=max(spec.max_draft_tokens, config.draft_tokens or 0),
+                            costs=self.memory.costs_for(name, exact=config.exact, uses_model=has_model),
+                            has_model=has_model)
+        # Each policy rebuilds itself from what its own last controller for this drafter carried.
+        return name, POLICIES[policy].from_snapshot(setup, self.memory.learned_for(name, policy))
 
     def _build_drafter(self, name: str, config: GenerationConfig, slot: CacheSlot) -> Drafter:
         draft = None if self.draft is None else DraftModel(self.draft, slot.draft_kv, self.draft_head_ids,
@@ -427,13 +415,9 @@ class Generator:
         if learned is not None:
             result.stats.mode_s = dict(learned.mode_s)
             result.stats.catchup_deferred = learned.catchup_deferred
-            if learned.budget_s is not None:  # the default policy's own account (DefaultK)
-                result.stats.explore_overhead_s = learned.overhead_s
-                result.stats.explore_plain_s = learned.plain_s
-                result.stats.lookup_steps = learned.lookup_steps
-                result.stats.guess_steps = learned.guess_steps
-                result.stats.model_steps = learned.model_steps
-        self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned)
+            result.stats.policy = learned.counters()  # the policy's own account, whatever it counts
+        self.memory.remember(len(state.tokens), reason, drafter.name if drafter is not None else None, learned,
+                             policy=controller.name if controller is not None else None)
         if drafter is not None and reads_replies(drafter.name) and config.reply_memory:
             self.memory.remember_reply(state.tokens, ids)  # a cancelled reply's committed tokens are text too
         result.stats.reply_memory_tokens = self.memory.replies.tokens

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..engines.base import Engine, KVCache
-from .controller import PLAIN, Controller, DraftPlan
+from .policies import PLAIN, Controller, DraftPlan
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema
 from .drafting import ANY_SOURCE, LOOKUP_SOURCE, NO_LOOKUP, Drafter
 from .sampling import SamplingConfig

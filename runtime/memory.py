@@ -1,8 +1,9 @@
 """What a Generator learns across replies, kept apart from the call path.
 
 Per drafter: its step costs (a :class:`CostModel`, started from the bundle's measured
-profile) and its per-position acceptance (so the next reply's first, costly catch-up is
-judged on what drafting achieved last time rather than on an optimistic prior). Across
+profile) and, per draft-length policy, the snapshot its last controller ended with (its
+per-position acceptance among it, so the next reply's first, costly catch-up is judged on
+what drafting achieved last time rather than on an optimistic prior). Across
 drafters: recent reply lengths, which tell the controller how much of a reply is still
 to come. Step costs belong to the machine; acceptance and reply lengths to the text.
 
@@ -17,10 +18,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..bundle_extra import CostProfile
-from .controller import ControllerSnapshot
 from .costs import CostModel
 from .drafters import needs_draft_model
 from .horizon import ReplyLengths
+from .policies import Snapshot
 from .suffix import ReplyMemory
 from .suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS, REPLY_CUE_TOKENS
 
@@ -31,8 +32,9 @@ class SpeculationMemory:
     def __init__(self, profile: CostProfile | None = None) -> None:
         self.profile = profile  # the measured cost profile new CostModels start from (None: from scratch)
         self.costs: dict[tuple[str, bool], CostModel] = {}  # (drafter, exact) -> its step costs
-        self.acceptance: dict[str, tuple[list[float], int]] = {}  # drafter -> (alpha per position, observed)
-        self.learned: dict[str, ControllerSnapshot] = {}  # drafter -> its controller's last snapshot
+        # (drafter, policy) -> the last snapshot of that policy's controller for that drafter (what it
+        # carries to the next reply; only the policy reads it: runtime/policies)
+        self.learned: dict[tuple[str, str], Snapshot] = {}
         self.reply_lengths = ReplyLengths()
         self.replies = ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS)  # earlier replies' tokens
 
@@ -49,23 +51,17 @@ class SpeculationMemory:
                 if self.profile is not None else CostModel())
         return costs
 
-    def acceptance_for(self, drafter: str) -> tuple[list[float] | None, int]:
-        """(per-position acceptance, positions observed) the drafter's last reply ended with."""
-        return self.acceptance.get(drafter, (None, 0))
-
-    def learned_for(self, drafter: str) -> ControllerSnapshot:
-        """All the drafter's controller carried out of its last reply (the default controller's
-        lookup acceptance and exploration budget included); empty before its first reply."""
-        return self.learned.get(drafter, ControllerSnapshot())
+    def learned_for(self, drafter: str, policy: str) -> Snapshot | None:
+        """What ``policy``'s controller for ``drafter`` carried out of its last reply (None: none yet).
+        Keyed by policy too, so a call under another policy (a fixed k) leaves it as it was."""
+        return self.learned.get((drafter, policy))
 
     def remember(self, new_tokens: int, reason: str, drafter: str | None = None,
-                 learned: ControllerSnapshot | None = None) -> None:
+                 learned: Snapshot | None = None, *, policy: str | None = None) -> None:
         """Record a finished reply: its length (unless cancelled: a cancelled reply's length says
-        nothing about the traffic) and what its drafter's controller learned, if it had one."""
-        if drafter is not None and learned is not None and learned.observed:
-            self.acceptance[drafter] = (list(learned.acceptance), learned.observed)
-        if drafter is not None and learned is not None:
-            self.learned[drafter] = learned
+        nothing about the traffic) and the snapshot of its drafter's controller (``policy``'s), if any."""
+        if drafter is not None and policy is not None and learned is not None:
+            self.learned[(drafter, policy)] = learned
         if reason != "cancelled":
             self.reply_lengths.record(new_tokens, finished=reason in ("stop", "stop_string"))
 
@@ -77,7 +73,6 @@ class SpeculationMemory:
     def forget_replies(self) -> None:
         """Forget what replies taught (acceptance, reply lengths, the replies themselves); keep the
         machine's step costs."""
-        self.acceptance.clear()
         self.learned.clear()
         self.reply_lengths = ReplyLengths()
         self.replies.clear()

@@ -33,13 +33,11 @@ class GenerationStats:
     catchup_deferred: int = 0  # steps run plain because the draft's catch-up would not have paid off
     reply_memory_tokens: int = 0  # the Generator's cross-reply memory after this reply: tokens held
     reply_memory_bytes: int = 0  # ... and its approximate size in bytes (SuffixTrie.approx_nbytes)
-    # The default policy's account (controller.DefaultK): what plain decoding would have spent on this
-    # reply's decode steps, and the net seconds speculation spent beyond it (negative: it saved time).
-    explore_plain_s: float = 0.0
-    explore_overhead_s: float = 0.0
-    lookup_steps: int = 0  # steps the default policy served with a lookup (the rest: model or plain)
-    guess_steps: int = 0  # ... of which a guess: one token after a 1-token match, on a row that was free
-    model_steps: int = 0  # steps the default policy served with the draft model
+    # The draft-length policy's own counters, by name (its Snapshot.counters(); empty: none). The
+    # default policy's (runtime/policies/default.py): lookup_steps (guesses included), guess_steps,
+    # model_steps, explore_plain_s (what plain decoding would have spent on this reply's decode steps)
+    # and explore_overhead_s (the net seconds speculation spent beyond it; negative: it saved time).
+    policy: dict[str, float] = field(default_factory=dict)
     # By step source, any drafter ("lookup": a lookup drafted the step, "model": a draft model did,
     # "plain": nothing was drafted): the steps' seconds (draft with its catch-up, plus verify; a
     # pipelined step's overlap counts in both) and the tokens they committed. Their ratio is what

@@ -7,7 +7,7 @@ Two Generators (one per variant, each with its own learned state); per round bas
 on odd rounds); each variant keeps its own reply memory per round, as `specedge bench run` does. Not a test."""
 import sys, json, statistics as st, collections
 from specedge.runtime import generator as G
-from specedge.runtime.controller import DefaultK
+from specedge.runtime.policies import DEFAULT_POLICY, POLICIES, DefaultK
 from specedge.runtime.options import GenerationConfig
 from specedge.runtime.suffix import ReplyMemory
 from specedge.runtime.suffix_drafter import DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS
@@ -40,7 +40,7 @@ for cat in cats:
             res = {}
             for v in order:
                 gen = gens["new" if v == "base" else v]
-                G.DefaultK = OldK if v == "old" else DefaultK
+                POLICIES[DEFAULT_POLICY] = OldK if v == "old" else DefaultK  # the registry entry the next call builds
                 if v != "base":
                     gen.memory.replies = mem.setdefault((v, r), ReplyMemory(DEFAULT_DEPTH, DEFAULT_MEMORY_TOKENS))
                 cfg = GenerationConfig(max_new_tokens=64, chat=chat, reuse_prefix=False, speculation=(v != "base"))

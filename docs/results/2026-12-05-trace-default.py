@@ -4,8 +4,8 @@ Usage: python docs/results/2026-12-05-trace-default.py BUNDLE [CATEGORY=chat] [R
 (summary: one line per reply instead of every step). Not a test."""
 import sys, json, collections
 import numpy as np
-from specedge.runtime import generator as G, controller as C
-from specedge.runtime.controller import DefaultK, AdaptiveK, PLAIN
+from specedge.runtime import generator as G
+from specedge.runtime.policies import DEFAULT_POLICY, POLICIES, DefaultK
 from specedge.runtime.costs import StepOutcome
 
 LOG = []
@@ -31,7 +31,7 @@ class TracedK(DefaultK):
         LOG[-1]["lk"] = step.lookup
         super().observe(step)
 
-G.DefaultK = TracedK
+POLICIES[DEFAULT_POLICY] = TracedK  # the registry entry the Generator builds the default policy from
 
 from specedge.bench.suite import load_suite  # noqa
 bundle = sys.argv[1]; category = sys.argv[2] if len(sys.argv) > 2 else "chat"

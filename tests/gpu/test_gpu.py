@@ -54,7 +54,7 @@ ROUTES = [pytest.param(route, marks=pytest.mark.skipif(why is not None, reason=f
 def _generate(target, drafter_engine=None, k: int = 0, mode: str = "sequential") -> list[int]:
     """Greedy tokens of ``target`` after PROMPT_IDS, speculating with ``drafter_engine`` when given."""
     from specedge.runtime import loop
-    from specedge.runtime.controller import FixedK
+    from specedge.runtime.policies import FixedK
     from specedge.runtime.drafters import ModelDrafter
     from specedge.runtime.sampling import SamplingConfig
 

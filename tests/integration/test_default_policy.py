@@ -18,7 +18,7 @@ from conftest import PROMPT_IDS
 from distribution import assert_same_distribution, token_counts
 from exactness import assert_agrees, exact_holds
 from specedge.runtime import auto_drafter, loop
-from specedge.runtime.controller import PLAIN, ControllerSnapshot, DraftPlan
+from specedge.runtime.policies import PLAIN, DraftPlan, Snapshot
 from specedge.runtime.drafters import DRAFTERS, AutoDrafter, uses_draft_model
 from specedge.runtime.drafting import LOOKUP_SOURCE, MODEL_SOURCE, DraftModel, LookupOffer
 from specedge.runtime.generator import Generator
@@ -115,8 +115,8 @@ class CyclingSources:
     def observe(self, step) -> None:
         pass
 
-    def snapshot(self) -> ControllerSnapshot:
-        return ControllerSnapshot()
+    def snapshot(self) -> Snapshot:
+        return Snapshot()
 
 
 def test_switching_sources_every_step_equals_plain_decoding(sampling_pair):
@@ -175,7 +175,7 @@ def test_the_next_reply_starts_from_what_the_default_learned(drafted):
     gen, plain = drafted
     gen.forget_replies()
     assert gen.generate(input_ids=PROMPT_IDS, max_new_tokens=N_TOKENS, exact=True).token_ids == plain
-    learned = gen.memory.learned_for("auto")
+    learned = gen.memory.learned_for("auto", "default")
     assert learned.lookup_share is not None and 0.0 <= learned.lookup_share <= 1.0
     assert learned.budget_s is not None
     controller = gen._drafter_and_controller(GenerationConfig())[1]

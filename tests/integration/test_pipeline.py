@@ -15,7 +15,7 @@ import pytest
 
 from specedge.export.bundle import ExportConfig, export_bundle
 from specedge.runtime import loop
-from specedge.runtime.controller import FixedK
+from specedge.runtime.policies import FixedK
 from specedge.runtime.drafters import ModelDrafter
 from specedge.runtime.drafting import ANY_SOURCE, NO_LOOKUP
 from specedge.runtime.generator import Generator

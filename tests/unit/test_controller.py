@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specedge.errors import InvalidParameterError
-from specedge.runtime.controller import AdaptiveK, FixedK
+from specedge.runtime.policies import AdaptiveK, FixedK
 from specedge.runtime.costs import CostModel, StepOutcome
 from specedge.runtime.horizon import ReplyLengths
 
@@ -213,11 +213,11 @@ def test_forget_replies_clears_what_replies_taught_but_keeps_step_costs(referenc
     gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12, drafter="model")  # adaptive model drafting
     gen.generate(input_ids=list(range(6, 26)), max_new_tokens=12)  # the default policy (its budget, lookups)
     memory = gen.memory
-    assert len(memory.reply_lengths) >= 1 and memory.acceptance and memory.costs
-    assert memory.learned_for("auto").budget_s is not None and memory.replies.tokens > 0
+    assert len(memory.reply_lengths) >= 1 and memory.learned_for("model", "adaptive").observed and memory.costs
+    assert memory.learned_for("auto", "default") is not None and memory.replies.tokens > 0
     gen.forget_replies()
-    assert len(memory.reply_lengths) == 0 and not memory.acceptance and memory.costs
-    assert memory.learned_for("auto").budget_s is None and memory.replies.tokens == 0
+    assert len(memory.reply_lengths) == 0 and not memory.learned and memory.costs
+    assert memory.learned_for("auto", "default") is None and memory.replies.tokens == 0
 
 
 def test_a_marginal_predicted_gain_stays_plain():

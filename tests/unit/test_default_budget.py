@@ -18,7 +18,7 @@ import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.runtime import loop
-from specedge.runtime.controller import PLAIN, DefaultK, DraftPlan
+from specedge.runtime.policies import PLAIN, DefaultK, DraftPlan
 from specedge.runtime.costs import CostModel
 from specedge.runtime.drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, NO_LOOKUP, LookupOffer
 from specedge.runtime.sampling import SamplingConfig
@@ -246,7 +246,7 @@ def test_a_step_counts_as_the_source_that_drafted_it_not_the_one_offered(monkeyp
     with its model (runtime/auto_drafter.py): such a step is a model step, in the stats and in what the
     cost model learns (its draft time is the model's), though a lookup had been offered."""
     from specedge.runtime.auto_drafter import AutoDrafter
-    from specedge.runtime.controller import FixedK
+    from specedge.runtime.policies import FixedK
     from specedge.runtime.suffix_drafter import SuffixDrafter
 
     class Recording(FixedK):
