@@ -196,3 +196,18 @@ def test_the_built_in_texts_ship_every_kind_with_a_few_hundred_words():
         assert 300 <= len(t.text.split()) <= 1500, (t.kind, len(t.text.split()))
     with pytest.raises(InvalidParameterError, match="unknown text kind 'poetry'"):
         builtin_texts(["poetry"])
+
+
+def test_the_recorded_source_is_found_here_or_named_with_the_fix(tmp_path, monkeypatch):
+    from specedge.export.quality import locate_source
+
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "empty-cache"))  # nothing cached, nothing downloaded
+    source, reason = locate_source("gguf:SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert source is None and "catalog model 'smollm2-135m-instruct', which is not in the cache" in reason
+    assert "`specedge fetch smollm2-135m-instruct`" in reason and "--source" in reason
+    assert "not in the cache" in locate_source("smollm2-135m-instruct")[1]
+    assert "recorded by name only; pass --source" in locate_source("gguf:someone-elses.gguf")[1]
+    assert "not found on this machine" in locate_source(str(tmp_path / "gone"))[1]
+    folder = tmp_path / "hf-folder"
+    folder.mkdir()
+    assert locate_source(str(folder)) == (str(folder), "")
