@@ -165,9 +165,15 @@ def run_eval(plan: EvalPlan, target: Scorer, source: Scorer | None = None, *, so
         tally = tallies.setdefault(kind, Tally())
         for ids in chunks:
             targets = ids[1:]
-            nll, top1 = token_scores(target(ids)[:len(targets)], targets)
+            target_logits = target(ids)
+            vocab = target_logits.shape[-1]
+            nll, top1 = token_scores(target_logits[:len(targets)], targets)
             if source is not None:
-                tally.add(nll, top1, *token_scores(source(ids)[:len(targets)], targets))
+                source_logits = source(ids)
+                if source_logits.shape[-1] != vocab:
+                    raise InvalidParameterError(f"the source scores {source_logits.shape[-1]} tokens, the bundle "
+                                                f"{vocab}: not the checkpoint the bundle was exported from")
+                tally.add(nll, top1, *token_scores(source_logits[:len(targets)], targets))
             else:
                 tally.add(nll, top1)
             if on_chunk is not None:

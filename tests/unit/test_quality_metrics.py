@@ -211,3 +211,10 @@ def test_the_recorded_source_is_found_here_or_named_with_the_fix(tmp_path, monke
     folder = tmp_path / "hf-folder"
     folder.mkdir()
     assert locate_source(str(folder)) == (str(folder), "")
+
+
+def test_a_source_with_another_vocabulary_is_refused():
+    plan = plan_eval([EvalText("a", "1 2 3 4")], FakeCodec(False), max_context=32)
+    wider = np.zeros((VOCAB, VOCAB + 1), np.float32)
+    with pytest.raises(InvalidParameterError, match=r"the source scores 13 tokens, the bundle 12"):
+        run_eval(plan, _scorer(1, []), lambda ids: wider[ids])
