@@ -118,7 +118,7 @@ class Generator:
         self.bundle = loaded.bundle
         self.manifest = loaded.manifest
         self.codec = loaded.codec
-        self.target = BatchInvariantEngine(loaded.target)  # exact by default; .inner is the bare engine
+        self.target = BatchInvariantEngine(loaded.target)  # exact mode's engine; .inner is the bare (fast) one
         self.draft = loaded.draft
         self.threads = loaded.threads
         # Conversation slots: each keeps its caches (allocated once) and the tokens they hold, so a

@@ -32,6 +32,7 @@ MAX_LATENCY_S = 60.0
 # OpenAI's range: above 2 the warped distribution is close to uniform noise over the vocabulary.
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 1 << 20  # above any vocabulary: the cap is then no cap
+MAX_CACHE_SALT_CHARS = 256  # a salt is an identifier (a hash, a tenant id), not a payload kept per slot
 MAX_SEED = (1 << 63) - 1  # numpy's generators take any int, but a seed past int64 is a typo
 
 
@@ -52,6 +53,7 @@ class Option:
     invert: bool = False  # the CLI flag turns the (default True) field off: --no-speculation, --raw
     server: bool = False  # accepted in the server's "specedge" request extension
     max_items: int | None = None  # tuple fields: at most this many
+    max_chars: int | None = None  # free-text str fields (no choices): at most this many characters
 
 
 def option(default: Any, help: str, kind: type, **kw) -> Any:
@@ -107,6 +109,8 @@ def check(name: str, value: Any, *, where: str | None = None) -> Any:
     elif opt.kind is str and opt.choices is None:  # free text (cache_salt)
         if not isinstance(value, str) or not value or not _valid_text(value):
             raise InvalidParameterError(f"{where} must be a non-empty string{none}; got {value!r}")
+        if len(value) > opt.max_chars:
+            raise InvalidParameterError(f"{where} holds {len(value)} characters; at most {opt.max_chars} are allowed")
     elif opt.kind is str:
         if not isinstance(value, str) or value not in opt.choices:
             raise InvalidParameterError(f"{where} must be one of {', '.join(opt.choices)}{none}; got {value!r}")
@@ -195,7 +199,7 @@ class GenerationConfig:
     # prefix, by a call with another, so neither reused_tokens nor timing tells one tenant what another
     # sent. None is one namespace too. vLLM's request field; the server sends it top-level.
     cache_salt: str | None = option(None, "Only calls with the same cache salt share cached prompt prefixes.",
-                                    str, nullable=True, cli=None)
+                                    str, nullable=True, cli=None, max_chars=MAX_CACHE_SALT_CHARS)
 
     def __post_init__(self) -> None:
         for name in OPTIONS:

@@ -28,7 +28,7 @@ def test_every_field_declares_its_option_with_an_upper_bound():
         if option.kind in (int, float):
             assert option.low is not None and option.high is not None, f"{name} needs both bounds"
         if option.kind is str:
-            assert option.choices, name
+            assert option.choices or option.max_chars, name
         if option.kind is tuple:
             assert option.max_items, name
 
@@ -86,3 +86,13 @@ def test_random_values_for_every_field_give_a_config_or_a_typed_error(data):
     for name in values:  # what was accepted has the declared type (ints are valid floats)
         kind = (int, float) if OPTIONS[name].kind is float else OPTIONS[name].kind
         assert getattr(config, name) is None or isinstance(getattr(config, name), kind), name
+
+
+def test_a_cache_salt_is_a_bounded_non_empty_string():
+    from specedge.runtime.options import MAX_CACHE_SALT_CHARS
+
+    assert GenerationConfig(cache_salt="tenant-7").cache_salt == "tenant-7"
+    for bad, match in (("", "non-empty string"), (7, "non-empty string"), ("\ud800", "non-empty string"),
+                       ("x" * (MAX_CACHE_SALT_CHARS + 1), f"at most {MAX_CACHE_SALT_CHARS}")):
+        with pytest.raises(InvalidParameterError, match=match):
+            GenerationConfig(cache_salt=bad)
