@@ -42,6 +42,9 @@ SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'sp
               help="Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says which load).")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding for every request (the baseline); "
               "the draft model is not loaded.")
+@click.option("--exact", is_flag=True, help="Run every request in exact mode (token-identical greedy output: 2-row "
+              "plain steps, 1.2-1.4x a plain step on int4 CPU bundles) unless it sends "
+              "\"specedge\": {\"exact\": false}; without it requests are fast unless they send {\"exact\": true}.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
 @click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
 @click.option("--shutdown-grace", type=click.FloatRange(0, MAX_SHUTDOWN_GRACE_S), default=DEFAULT_SHUTDOWN_GRACE_S,
@@ -71,7 +74,7 @@ SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'sp
               show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
 def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key_file: Path | None,
           model_name: str | None, max_tokens: int, queue_size: int, max_body_bytes: int, threads: int, provider: str,
-          no_speculation: bool, no_warmup: bool, no_verify_checksums: bool, shutdown_grace: float, cache_slots: int,
+          no_speculation: bool, exact: bool, no_warmup: bool, no_verify_checksums: bool, shutdown_grace: float, cache_slots: int,
           cache_memory: float | None, cache_sharing: str, prompt_cache: Path | None, system_prompt: str | None,
           log_level: str) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
@@ -111,10 +114,10 @@ def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key
                                       cache_slots=cache_slots,
                                       cache_memory=None if cache_memory is None else int(cache_memory * 1e6))
     if prompt_cache is not None:
-        server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt)))
+        server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt), exact=exact))
     app = create_app(generator, api_key=keys or None, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name, speculation=not no_speculation, warmup=not no_warmup,
-                     cache_sharing=cache_sharing, max_tokens=max_tokens or None)
+                     cache_sharing=cache_sharing, max_tokens=max_tokens or None, exact=exact)
     SpecedgeServer(server_config(app, host=host, port=port, log_level=log_level, grace_s=shutdown_grace),
                    grace_s=shutdown_grace).run()
 
@@ -144,7 +147,7 @@ def _read_system_prompt(value: str | None) -> str | None:
 _CACHE = "--prompt-cache"
 
 
-def warm_prompt_cache(generator, path: Path, system_prompt: str | None) -> str:
+def warm_prompt_cache(generator, path: Path, system_prompt: str | None, *, exact: bool = False) -> str:
     """Load ``path`` into a conversation slot, or compute and write it from ``system_prompt``.
 
     Returns a line for the log. A file that exists but cannot be used (another bundle or setting,
@@ -158,7 +161,7 @@ def warm_prompt_cache(generator, path: Path, system_prompt: str | None) -> str:
     messages = None if system_prompt is None else [{"role": "system", "content": system_prompt}]
     try:
         if prompt_cache.exists(path):  # typed, where Path.exists raises OSError on a name too long
-            loaded = generator.load_prompt_cache(path)
+            loaded = generator.load_prompt_cache(path, exact=exact)
             if messages is not None:
                 want = generator.codec.encode_chat(messages, add_generation_prompt=False)
                 if loaded["token_ids"] != want:
@@ -168,7 +171,7 @@ def warm_prompt_cache(generator, path: Path, system_prompt: str | None) -> str:
         if messages is None:
             raise click.BadParameter(f"prompt cache {path} does not exist; pass --system-prompt to create it",
                                      param_hint=_CACHE)
-        saved = generator.save_prompt_cache(path, messages=messages)
+        saved = generator.save_prompt_cache(path, messages=messages, exact=exact)
         return f"prompt cache {path}: computed and saved {saved['tokens']} tokens ({saved['bytes'] / 1e6:.1f} MB)"
     except PromptCacheError as exc:
         raise click.BadParameter(str(exc), param_hint=_CACHE) from None

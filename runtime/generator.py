@@ -319,10 +319,10 @@ class Generator:
                                             f"{', '.join(GenerationConfig.__dataclass_fields__)}")
             config = replace(config, **overrides)
         if config.exact:
-            self._check_exact()
+            self.check_exact()
         return config
 
-    def _check_exact(self) -> None:
+    def check_exact(self) -> None:
         """Exact mode needs a target whose 2-row plain steps equal its verify rows bit for bit; export
         checks that on its machine (``extra.exact_steps``). A target recorded without it is refused by
         name rather than silently losing the guarantee (older bundles without the record run)."""
@@ -517,7 +517,7 @@ class Generator:
         Returns ``{"tokens", "draft_tokens", "token_ids"}`` (the prefix held).
         """
         if exact:
-            self._check_exact()
+            self.check_exact()
         with self._exclusive():
             slot, _ = self.slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
             loaded = prompt_cache.load(path, self._prompt_cache_key(exact), slot.target_kv, slot.draft_kv,

@@ -102,8 +102,9 @@ class _Server:
 
     def __init__(self, generator: Generator, *, api_keys: tuple[str, ...], queue_size: int, max_body_bytes: int,
                  model_name: str, speculation: bool, body_timeout_s: float = BODY_TIMEOUT_S,
-                 cache_sharing: str = "key", max_tokens: int | None = None) -> None:
+                 cache_sharing: str = "key", max_tokens: int | None = None, exact: bool = False) -> None:
         self.generator = generator
+        self.exact = exact  # requests run in exact mode unless they say otherwise (serve --exact)
         self.max_tokens = max_tokens  # a chat reply's cap when the request sends none (None: the context)
         self.body_timeout_s = body_timeout_s
         self.api_keys = api_keys
@@ -194,7 +195,8 @@ class _Server:
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
             return protocol.parse_request(kind, data, self.generator, model_name=self.model_name,
-                                          speculation=self.speculation, max_tokens=self.max_tokens)
+                                          speculation=self.speculation, max_tokens=self.max_tokens,
+                                          exact=self.exact)
         except StopIteration as exc:
             # asyncio refuses to set a StopIteration on run_in_executor's Future ("cannot be raised into
             # a Future"): the request would wait forever, holding its connection. Answered 500 instead.
@@ -207,7 +209,7 @@ class _Server:
 
     # ----------------------------------------------------------------- routes
     async def health(self, request: Request) -> JSONResponse:
-        state = {"status": "ok", "model": self.model_name, "speculation": self.speculation,
+        state = {"status": "ok", "model": self.model_name, "speculation": self.speculation, "exact": self.exact,
                  "drafter": self.generator.manifest.speculation.drafter if self.speculation else "none",
                  "max_tokens": self.max_tokens, **self.worker.status()}
         # The slots' held tokens tell how long others' conversations are: for callers with a key only.
@@ -341,7 +343,7 @@ def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = No
                queue_size: int = DEFAULT_QUEUE_SIZE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                model_name: str | None = None, speculation: bool = True, warmup: bool = True,
                body_timeout_s: float = BODY_TIMEOUT_S, cache_sharing: str = DEFAULT_CACHE_SHARING,
-               max_tokens: int | None = DEFAULT_MAX_TOKENS) -> Starlette:
+               max_tokens: int | None = DEFAULT_MAX_TOKENS, exact: bool = False) -> Starlette:
     """An OpenAI-compatible app serving ``generator``.
 
     ``api_key``: a key, or several (one per client); when set, /v1/* needs
@@ -358,6 +360,8 @@ def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = No
     ``body_timeout_s``: a request body must arrive within this (408 otherwise).
     ``max_tokens``: a chat reply's length when the request sends neither ``max_tokens`` nor
     ``max_completion_tokens`` (None: the room left in the context, OpenAI's rule).
+    ``exact``: requests run in exact mode (token-identical greedy output, 2-row plain steps) unless they
+    send ``"specedge": {"exact": false}``; refused at start on a bundle exact mode cannot run.
     """
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
@@ -369,9 +373,12 @@ def create_app(generator: Generator, *, api_key: str | Sequence[str] | None = No
         raise ValueError("api_key must be a non-empty string, a list of them, or None")
     if cache_sharing not in CACHE_SHARING:
         raise ValueError(f"cache_sharing must be one of {', '.join(CACHE_SHARING)}; got {cache_sharing!r}")
+    if exact:
+        generator.check_exact()  # a bundle exact mode cannot run is refused at start, not per request
     server = _Server(generator, api_keys=keys, queue_size=queue_size, max_body_bytes=max_body_bytes,
                      model_name=model_name or generator.bundle.name, speculation=speculation,
-                     body_timeout_s=body_timeout_s, cache_sharing=cache_sharing, max_tokens=max_tokens)
+                     body_timeout_s=body_timeout_s, cache_sharing=cache_sharing, max_tokens=max_tokens,
+                     exact=exact)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -195,7 +195,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> dict:
+def _speculation(body: dict, *, server_speculation: bool, has_draft: bool, server_exact: bool = False) -> dict:
     """The ``specedge`` request extension -> GenerationConfig fields."""
     ext = body.get("specedge")
     if ext is None:
@@ -206,7 +206,7 @@ def _speculation(body: dict, *, server_speculation: bool, has_draft: bool) -> di
     if unknown:
         raise _bad(f"specedge.{unknown[0]}", f"unknown specedge field {unknown[0]!r}; known: "
                    f"{', '.join(SPECEDGE_FIELDS)}")
-    out: dict[str, Any] = {"speculation": server_speculation}
+    out: dict[str, Any] = {"speculation": server_speculation, "exact": server_exact}  # the request's own win
     for name in SPECEDGE_FIELDS:
         if ext.get(name) is not None:
             out[name] = _option(ext, name, where=f"specedge.{name}")  # 0 = None where the option says so
@@ -250,8 +250,8 @@ def _model(body: dict, model_name: str) -> str:
     return model
 
 
-def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool, has_draft: bool
-            ) -> GenerationConfig:
+def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool, has_draft: bool,
+            server_exact: bool = False) -> GenerationConfig:
     n = _int(body, "n", minimum=1)
     if n is not None and n != 1:
         raise _bad("n", f"n must be 1: specedge generates one choice per request; got {n}")
@@ -269,7 +269,8 @@ def _config(body: dict, *, max_tokens: int, chat: bool, server_speculation: bool
             cache_salt=_cache_salt(body), max_new_tokens=max_tokens,
             temperature=OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed, stop=_option(body, "stop") or (),
-            chat=chat, **_speculation(body, server_speculation=server_speculation, has_draft=has_draft))
+            chat=chat, **_speculation(body, server_speculation=server_speculation, has_draft=has_draft,
+                                      server_exact=server_exact))
     except InvalidParameterError as exc:
         raise _bad(None, str(exc)) from None
 
@@ -322,12 +323,13 @@ def _prompt_ids(body: dict, generator) -> list[int]:
 
 
 def parse_request(kind: str, body: dict, generator, *, model_name: str, speculation: bool = True,
-                  max_tokens: int | None = None) -> ParsedRequest:
+                  max_tokens: int | None = None, exact: bool = False) -> ParsedRequest:
     """Validate an OpenAI request body and encode its prompt.
 
     ``kind``: "chat" (``/v1/chat/completions``) or "completion" (``/v1/completions``).
     ``max_tokens``: the server's cap on a chat reply that sends neither ``max_tokens`` nor
     ``max_completion_tokens`` (None: the room left in the context); a request's own value wins.
+    ``exact``: the server's default for ``specedge.exact`` (``serve --exact``); a request's own value wins.
     Raises :class:`APIError` (4xx) for anything a client got wrong.
     """
     chat = kind == "chat"
@@ -359,7 +361,7 @@ def parse_request(kind: str, body: dict, generator, *, model_name: str, speculat
     elif max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     config = _config(body, max_tokens=max_tokens, chat=chat, server_speculation=speculation,
-                     has_draft=generator.draft is not None)
+                     has_draft=generator.draft is not None, server_exact=exact)
     prefix = "chatcmpl-" if chat else "cmpl-"
     return ParsedRequest(kind, model, ids, config, stream, include_usage, id=prefix + uuid.uuid4().hex[:24])
 

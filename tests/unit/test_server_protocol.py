@@ -130,3 +130,28 @@ def test_random_bodies_parse_or_are_a_typed_4xx(gen, kind, body):
         assert exc.message
         return
     assert req.prompt_ids and all(0 <= t < gen.manifest.target.vocab_size for t in req.prompt_ids)
+
+
+def test_exact_mode_is_the_servers_default_only_when_started_with_exact(gen):
+    body = {"prompt": PROMPT_IDS}
+    assert _parse(gen, "completion", body).config.exact is False  # fast by default
+    assert _parse(gen, "completion", body, exact=True).config.exact is True  # serve --exact
+    own = {"prompt": PROMPT_IDS, "specedge": {"exact": False}}
+    assert _parse(gen, "completion", own, exact=True).config.exact is False  # the request's own value wins
+    assert _parse(gen, "completion", {**own, "specedge": {"exact": True}}).config.exact is True
+    _refused(gen, "completion", {"prompt": PROMPT_IDS, "specedge": {"exact": 1}}, 400, "specedge.exact", "a bool")
+
+
+def test_serve_exact_refuses_a_bundle_exact_mode_cannot_run_at_start(gen, monkeypatch):
+    pytest.importorskip("starlette")
+    from dataclasses import replace
+
+    from specedge.bundle_extra import ExactSteps
+    from specedge.errors import InvalidParameterError
+    from specedge.server.app import create_app
+
+    not_invariant = replace(gen.manifest.extra, exact_steps={"target": ExactSteps(False, 1.3, 2.0)})
+    monkeypatch.setattr(gen, "manifest", replace(gen.manifest, extra=not_invariant))
+    with pytest.raises(InvalidParameterError, match="not row-invariant"):
+        create_app(gen, exact=True, warmup=False)
+    create_app(gen, warmup=False)  # fast mode serves it
