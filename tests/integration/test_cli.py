@@ -172,16 +172,23 @@ def test_generate_plain_stream_and_stats(int4_bundle, load_generator):
 
 def test_demo_on_an_existing_bundle_compares_plain_with_the_default_drafter(int4_bundle, load_generator):
     """`specedge demo --out BUNDLE` skips the fetch and export: the baseline is plain decoding, the
-    speculative run is the default drafter (what `generate` runs), and both give the same tokens."""
-    result = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16", "--json")
+    speculative run is the default drafter (what `generate` runs); with --exact both give the same
+    tokens, and by default (fast mode) they may part only at a measured near tie."""
+    result = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16", "--json", "--exact")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, speculation=False).token_ids
-    assert out["identical"] is True
+    expected = load_generator(int4_bundle).generate(PROMPT, max_new_tokens=16, speculation=False,
+                                                    exact=True).token_ids
+    assert out["identical"] is True and out["exact"] is True and out["divergence"] is None
     assert out["baseline"]["token_ids"] == out["speculative"]["token_ids"] == expected
     assert out["baseline"]["stats"]["drafter"] == "none" and out["speculative"]["stats"]["drafter"] == "auto"
-    text = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16")
+    text = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16", "--exact")
     assert text.exit_code == 0 and "identical tokens: yes" in text.stdout and "tokens by source:" in text.stdout
+    fast = _invoke("demo", "--out", int4_bundle, "--prompt", PROMPT, "--max-new-tokens", "16", "--json")
+    assert fast.exit_code == 0, fast.output
+    fast = json.loads(fast.stdout)
+    assert fast["exact"] is False
+    assert fast["identical"] or fast["divergence"]["near_tie"], fast["divergence"]
 
 
 def test_export_command_writes_a_loadable_bundle(tiny_model, tmp_path):
