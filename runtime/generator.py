@@ -394,7 +394,8 @@ class Generator:
                 if failed:
                     slot.drop()  # a forward (or the callback) raised mid-run: never keep a half-written cache
                 else:  # the slot keeps exactly the committed tokens its cache holds
-                    slot.keep(ids + state.tokens, config.exact)
+                    cancelled = state.finish_reason in (None, "cancelled")  # closed, or cancel()
+                    slot.keep(ids + state.tokens, config.exact, cancelled_prompt=len(ids) if cancelled else 0)
                 tail = decoder.push([], final=True) if decoder.stopped_at is None else ""
                 self._finish(ids, config, state, result, decoder, drafter, controller)
         if tail:

@@ -9,7 +9,9 @@ llama.cpp's server ``cache_prompt`` and vLLM's prefix caching, for one device an
 A pool bounds the slots by count and by bytes. Slots follow conversations: a call takes a slot
 only when its prompt *continues* what the slot holds (all but :data:`CONTINUATION_SLACK` of its
 tokens), or branches off the slot's latest turn (an edited or regenerated last message, a final
-transcript after an interim prefill); the longest such match wins, most recently used on ties.
+transcript after an interim prefill), or extends the prompt of a call its client cancelled (a
+preemptive request on an interim transcript: its few committed reply tokens are no part of the
+next attempt); the longest such match wins, most recently used on ties.
 Otherwise it takes a free slot, or else evicts the least recently used one (keeping whatever prefix
 that slot shares with the prompt). A mere shared system prompt is no reason to take a slot: that
 would throw away another conversation's cache to save the system prompt's prefill, and every
@@ -128,6 +130,7 @@ class CacheSlot:
     wrote it; ``shared``: its leading tokens any salt may reuse (a published prefix, else 0).
     ``base``: the tokens the latest call found already held when it continued this slot's
     conversation (0 when that call started a conversation here): its new material begins there.
+    ``open_prompt``: the latest call's prompt length when its client cancelled it (0 otherwise).
     """
 
     target_kv: KVCache
@@ -139,6 +142,7 @@ class CacheSlot:
     salt: str | None = None
     shared: int = 0
     base: int = 0
+    open_prompt: int = 0
 
     def drop(self) -> None:
         """Forget everything (after a failed forward: the cache may be half-written)."""
@@ -148,7 +152,7 @@ class CacheSlot:
         self.tokens.clear()
         self.draft_prefix.clear()
         self.exact = None
-        self.salt, self.shared, self.base = None, 0, 0
+        self.salt, self.shared, self.base, self.open_prompt = None, 0, 0, 0
 
     def reusable(self, prompt: Sequence[int], exact: bool, salt: str | None = None) -> int:
         """How many leading prompt tokens this slot's target cache already holds for a call with
@@ -162,9 +166,14 @@ class CacheSlot:
     def follows(self, reusable: int) -> bool:
         """Whether a prompt that reuses ``reusable`` of this slot's tokens is this slot's conversation:
         it continues what the slot holds (discarding at most CONTINUATION_SLACK tokens), or branches
-        off inside the latest turn (it keeps everything that turn found held, and more)."""
+        off inside the latest turn (it keeps everything that turn found held, and more), or, when the
+        latest call was cancelled, continues that call's prompt (its reply tokens aside: a cancelled
+        first attempt of a new conversation has no earlier turn to branch from, yet the next attempt
+        extends its prompt)."""
         if reusable <= 0:
             return False
+        if 0 < self.open_prompt and reusable >= self.open_prompt - CONTINUATION_SLACK:
+            return True
         return reusable >= len(self.tokens) - CONTINUATION_SLACK or 0 < self.base < reusable
 
     def take(self, reusable: int, salt: str | None, *, continues: bool) -> None:
@@ -176,6 +185,7 @@ class CacheSlot:
             self.draft_prefix.set(self.draft_prefix.contiguous()[:reusable])
             self.salt = salt
         self.shared = min(self.shared, reusable)
+        self.open_prompt = 0  # the call's own keep() says whether it was cancelled
         # A call that reuses only the published prefix starts a conversation, as one in a free slot does.
         self.base = reusable if continues and reusable > self.shared else 0
 
@@ -183,14 +193,16 @@ class CacheSlot:
         """Let every salt reuse what this slot holds now (an operator's prefix: a loaded prompt cache)."""
         self.shared = len(self.tokens)
 
-    def keep(self, committed: Sequence[int], exact: bool) -> None:
+    def keep(self, committed: Sequence[int], exact: bool, *, cancelled_prompt: int = 0) -> None:
         """Record what the target cache holds after a call: the committed tokens it has K/V for.
-        Anything past the committed sequence (a stop inside a block, a cancel) is rewound."""
+        Anything past the committed sequence (a stop inside a block, a cancel) is rewound.
+        ``cancelled_prompt``: the call's prompt length when its client cancelled it (else 0)."""
         held = min(self.target_kv.length, len(committed))
         self.target_kv.rewind(self.target_kv.length - held)
         self.tokens[:] = committed[:held]
         self.exact = exact
         self.shared = min(self.shared, held)
+        self.open_prompt = min(cancelled_prompt, held)
 
     def nbytes(self) -> int:
         """Bytes allocated for this slot (both caches at max_context)."""

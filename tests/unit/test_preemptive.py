@@ -1,0 +1,72 @@
+"""Invariant: a cancelled request never leaves a slot holding tokens the next request does not share.
+
+Preemptive generation (LiveKit's default, Pipecat's eager end of turn) sends a request on each
+interim transcript and cancels it when the transcript grows; then the final request comes. After
+any such cancel (before the first block, after the prefill, after a few blocks), the next attempt
+and the final request reuse the whole prefix they share with the cancelled one, in the slot it
+used, and the final reply equals a cold request's token for token (exact mode). Cancels are
+placed after N blocks, never after a time, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specedge.runtime.slots import common_prefix
+
+SYSTEM = [(7 * i) % 88 + 5 for i in range(60)]  # a system prompt every caller shares
+USER = [(11 * i) % 80 + 9 for i in range(30)]  # the final transcript of the user's turn
+TAIL = [2, 3, 4, 2, 5]  # the chat template's end of message and assistant header
+OPTIONS = {"max_new_tokens": 24, "exact": True, "reply_memory": False}
+
+
+def _prompt(history: list[int], words: int) -> list[int]:
+    return history + USER[:words] + TAIL
+
+
+def _cancelled_attempt(gen, prompt: list[int], blocks: int) -> int:
+    """Send ``prompt`` and cancel it after ``blocks`` deltas (0: cancelled before it starts, so the
+    cancel lands while its prefill runs); return the tokens it reused."""
+    stream = gen.stream(input_ids=prompt, **OPTIONS)
+    if blocks == 0:
+        stream.cancel()
+    for i, _ in enumerate(stream):
+        if i + 1 >= blocks > 0:
+            break
+    stream.close()
+    assert stream.result.finish_reason == "cancelled"
+    return stream.result.stats.reused_tokens
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 3, 8])
+@pytest.mark.parametrize("turn", ["first", "later"])
+def test_after_cancelled_attempts_the_final_request_reuses_the_whole_common_prefix(reference, blocks, turn):
+    gen = reference(cache_slots=4)
+    history = list(SYSTEM)
+    if turn == "later":  # an earlier turn of the conversation is held: the attempts continue it
+        first = gen.generate(input_ids=_prompt(SYSTEM, 12), **OPTIONS)
+        history = first.prompt_ids + first.token_ids + [6]
+    attempts = [_prompt(history, n) for n in (8, 16, 24)]
+    previous = None
+    for prompt in attempts:
+        reused = _cancelled_attempt(gen, prompt, blocks)
+        if previous is not None:  # the cancelled attempt's slot is taken again, its prompt reused
+            assert reused == common_prefix(previous, prompt)
+        previous = prompt
+    final_prompt = _prompt(history, len(USER))
+    final = gen.generate(input_ids=final_prompt, **OPTIONS)
+    assert final.stats.reused_tokens == common_prefix(previous, final_prompt)
+    assert sum(bool(slot.tokens) for slot in gen.slots.slots) == 1  # one conversation, one slot
+    cold = reference(cache_slots=4).generate(input_ids=final_prompt, reuse_prefix=False, **OPTIONS)
+    assert final.token_ids == cold.token_ids and final.stats.reused_tokens > 0
+
+
+def test_a_cancelled_attempt_does_not_make_another_conversation_follow_it(reference):
+    """The rule for cancelled prompts is a continuation rule: a caller that shares only the system
+    prompt still takes a free slot, and the cancelled conversation keeps its own."""
+    gen = reference(cache_slots=4)
+    mine = _prompt(SYSTEM, 16)
+    _cancelled_attempt(gen, mine, 3)
+    other = SYSTEM + [(13 * i) % 70 + 11 for i in range(20)] + TAIL
+    assert gen.generate(input_ids=other, **OPTIONS).stats.reused_tokens == 0
+    assert gen.generate(input_ids=_prompt(SYSTEM, 30), **OPTIONS).stats.reused_tokens == len(SYSTEM) + 16
