@@ -39,7 +39,8 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidParameterError
-from ..runtime.model_drafter import DEFAULT_DRAFT_WINDOW, ModelDrafter
+from ..runtime.model_drafter import bridge
+from ..runtime.options import DEFAULT_DRAFT_WINDOW
 
 SOURCES = ("plain", "lookup", "model")
 # The oracle's source sets, reported as columns: lookups alone (the default without a draft model),
@@ -181,12 +182,13 @@ def lookup_counts(lookup, history: Sequence[int], reply: Sequence[int], max_k: i
 
 def draft_context(prompt: Sequence[int], window: int | None) -> list[int]:
     """What the draft model reads of ``prompt`` at its first step under a draft window (None: all
-    of it): the first ``ModelDrafter.SINK_TOKENS`` and the most recent, as the drafter bridges it
-    (a first model step later in the reply bridges the reply so far too; the oracle reads at its start)."""
+    of it): the first ``SINK_TOKENS`` and the most recent, as the drafter bridges it from an empty
+    cache (a first model step later in the reply bridges the reply so far too; the oracle reads at its start)."""
     prompt = list(prompt)
     if window is None or len(prompt) <= window:
         return prompt
-    return prompt[:ModelDrafter.SINK_TOKENS] + prompt[len(prompt) - (window - ModelDrafter.SINK_TOKENS):]
+    sink_fill, tail = bridge(len(prompt), 0, window)
+    return prompt[:sink_fill] + prompt[tail:]
 
 
 def model_correct(engine, head_ids: np.ndarray | None, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidParameterError
 from ..runtime.drafters import DRAFTERS, needs_draft_model
-from ..runtime.loop import MODES
-from ..runtime.options import check
+from ..runtime.options import MODES, check
 
 SPEC_DRAFTERS = tuple(DRAFTERS)  # the registry's drafters, in its order
 DEFAULT_K_SWEEP = (2, 4, 6, 8)

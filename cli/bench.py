@@ -16,6 +16,7 @@ import click
 from ..bench.suite import CATEGORIES
 from ..bench.threads import DEFAULT_SPINNING, SPINNING
 from ..runtime.drafters import DRAFTERS
+from .options import Local, load_from, load_options, shared_option
 
 QUICK = {"per_category": 1, "max_new_tokens": 16, "repeats": 1, "warmup_tokens": 4, "micro_reps": 3}
 QUICK_K = (4,)
@@ -59,7 +60,7 @@ def bench() -> None:
               "(default: all).")
 @click.option("--prompts", "per_category", type=int, default=None, help="Prompts per category (default: all; "
               "--quick: 1).")
-@click.option("--max-new-tokens", type=int, default=None, help="Tokens per generation (default 64; --quick: 16).")
+@shared_option("max_new_tokens", Local(note="Per generation (default 64; --quick: 16)."))
 @click.option("--repeats", type=int, default=None, help="Rounds per prompt (default 3; --quick: 1).")
 @click.option("--configs", default=None, help=f"Comma list: baseline, {'|'.join(DRAFTERS)} (its k sweep + "
               "adaptive), <drafter>-k<k>, <drafter>-adaptive, or all (default). baseline (1-row plain steps, the "
@@ -68,8 +69,7 @@ def bench() -> None:
               "and must equal baseline-exact token for token.")
 @click.option("--k-sweep", default=None, help="Fixed k values for a bare drafter name (default 2,4,6,8; "
               "--quick: 4).")
-@click.option("--threads", type=int, default=0, show_default=True,
-              help="Intra-op threads per session, and for the peers (0 = ORT default).")
+@load_options("threads", "verify_checksums", threads=Local(note="The peers run this many too."))
 @click.option("--peers", default=None, help="Comma list of peer runtimes: hf,genai,llamacpp (skipped with a "
               "message when absent).")
 @click.option("--peer-repeats", type=int, default=1, show_default=True,
@@ -93,10 +93,9 @@ def bench() -> None:
               "adaptive per drafter.")
 @click.option("--suite", type=click.Path(path_type=Path), default=None, help="Another prompt suite JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
-@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
 def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs, k_sweep, threads, peers,
           peer_repeats, hf_target, hf_draft, gguf, genai_precision, lookup_tokens, json_out, plot_out, out, quick,
-          suite, no_progress, no_verify_checksums) -> None:
+          suite, no_progress, verify_checksums) -> None:
     """Benchmark BUNDLE: plain decoding vs every drafter, k sweep and adaptive k, and peer runtimes.
 
     Runs are interleaved after a warm-up; speedups are medians of paired ratios. Every
@@ -119,6 +118,7 @@ def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs,
     values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if values["repeats"] < 1 or values["max_new_tokens"] < 1:
         raise InvalidParameterError("--repeats and --max-new-tokens must be >= 1")
+    load = load_from({"threads": threads, "verify_checksums": verify_checksums})
     try:
         sweep = tuple(int(k) for k in _csv(k_sweep)) if k_sweep else (QUICK_K if quick else DEFAULT_K_SWEEP)
     except ValueError:
@@ -128,9 +128,9 @@ def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs,
     settings = BenchSettings(
         bundle=bundle, categories=_csv(workloads), per_category=values["per_category"],
         max_new_tokens=values["max_new_tokens"], repeats=values["repeats"], configs=configs, k_sweep=sweep,
-        threads=threads, warmup_tokens=values["warmup_tokens"], micro_reps=values["micro_reps"],
+        threads=load.threads, warmup_tokens=values["warmup_tokens"], micro_reps=values["micro_reps"],
         peers=_csv(peers) or (), peer_repeats=peer_repeats, quick=quick, suite_path=suite, progress=not no_progress,
-        verify_checksums=not no_verify_checksums, command=shlex.join(["specedge", "bench", *sys.argv[2:]])
+        verify_checksums=load.verify_checksums, command=shlex.join(["specedge", "bench", *sys.argv[2:]])
         if len(sys.argv) > 1 and sys.argv[1] == "bench" else shlex.join(sys.argv),
         peer_options={"hf_target": hf_target, "hf_draft": hf_draft, "gguf": gguf, "lookup_tokens": lookup_tokens,
                       "genai_precision": _csv(genai_precision) or ("int4",)})
@@ -169,14 +169,13 @@ def run(bundle: Path, workloads, per_category, max_new_tokens, repeats, configs,
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Scratch folder for the variant graphs. DELETED first, then each variant's subfolder is "
               "deleted once timed.")
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Intra-op threads for every timed session.")
+@load_options("threads", threads=Local(default=2, low=1, note="Here every timed session runs this many."))
 @click.option("--context", type=click.IntRange(min=1), default=128, show_default=True,
               help="Positions already in the cache when the steps are timed.")
 @click.option("--max-context", type=click.IntRange(min=16), default=1024, show_default=True,
               help="Max context of the graphs built for the sweep.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True,
-              help="Greedy tokens per prompt from the first target variant: the sequences the drafts must predict.")
+@shared_option("max_new_tokens", Local(default=48, low=1, note="Greedy, per prompt, from the first target variant: "
+                                      "the sequences the drafts must predict."))
 @click.option("--targets", "target_variants", default=None,
               help="Target variants to time, comma separated (default: all of them, listed in specedge.bench.variants).")
 @click.option("--drafts", "draft_variants", default=None,
@@ -214,8 +213,7 @@ def variants(target, draft, work, threads, context, max_context, max_new_tokens,
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompts", type=click.IntRange(min=1, max=3), default=3, show_default=True,
               help="Prompts per round: the first of the code, chat and grounded categories.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Tokens per generation.")
+@shared_option("max_new_tokens", Local(default=64, low=1, note="Per generation."))
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Rounds over the prompts; every setup runs once per prompt per round, interleaved.")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True,
@@ -253,9 +251,8 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) ->
 @click.option("--conversation", "conversation_file", type=click.Path(path_type=Path), default=None,
               help="A conversation JSON ({'system': ..., 'turns': [...]}); default: the shipped voice-agent call.")
 @click.option("--turns", type=click.IntRange(1, 64), default=None, help="Replay only the first N user turns.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=48, show_default=True,
-              help="Reply length per turn (tokens; a voice reply is 20-60).")
-@click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
+@shared_option("max_new_tokens", Local(default=48, low=1, high=512, note="Per turn (a voice reply is 20-60)."))
+@load_options("threads")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding in every configuration.")
 @click.option("--llamacpp/--no-llamacpp", default=True, show_default=True,
               help="Also run llama.cpp (llama-cpp-python, in its own process) on the bundle's GGUF, cold and with "
@@ -407,8 +404,8 @@ def profile_command(graph_specs, threads, context, prefill, reps, prefill_reps, 
 @bench.command("prefill")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--lengths", default="128,512,2048", show_default=True, help="Prompt lengths, comma separated.")
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Threads for every runtime.")
+@load_options("threads", threads=Local(default=2, low=1, note="Here every runtime (ours and the peers) runs "
+                                                             "this many."))
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Rounds, runtimes interleaved; cells are medians.")
 @click.option("--peers", default="genai,llamacpp", show_default=True,
@@ -455,11 +452,10 @@ def prefill_command(bundle, lengths, threads, repeats, peers, out) -> None:
               "(default: all).")
 @click.option("--prompts", "per_category", type=click.IntRange(min=1), default=2, show_default=True,
               help="Prompts per category, in the suite's order (later ones draft from earlier replies).")
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
-              help="Tokens per reply.")
+@shared_option("max_new_tokens", Local(default=64, low=2, note="Per reply."))
 @click.option("--reps", type=click.IntRange(min=1), default=16, show_default=True,
               help="Repetitions of the step-cost measurement (paired medians of v(k) and c).")
-@click.option("--threads", type=int, default=0, show_default=True, help="Intra-op threads per session.")
+@load_options("threads")
 @click.option("--draft-window", type=click.IntRange(min=0), default=None,
               help="Prompt tokens the draft model reads, as the draft_window option (default: the runtime's "
               "default; 0: the whole prompt).")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from .options import load_from, load_options
+
 
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -33,12 +35,11 @@ def _table(report) -> list[str]:
 @click.option("--source", default=None, help="The source checkpoint (catalog name, HF folder or GGUF file); "
               "default: the one the manifest records, when found on this machine.")
 @click.option("--no-source", is_flag=True, help="Score the bundle alone (no transformers run).")
-@click.option("--threads", type=int, default=0, show_default=True, help="Threads of the bundle's session (0 = ORT default).")
-@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
+@load_options("threads", "verify_checksums")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def eval_command(bundle: Path, texts: tuple[Path, ...], chunk: int | None, max_tokens: int | None, source: str | None,
-                 no_source: bool, threads: int, no_verify_checksums: bool, as_json: bool, quiet: bool) -> None:
+                 no_source: bool, as_json: bool, quiet: bool, **kw) -> None:
     """Perplexity of the bundle's target graph and of its source checkpoint on the same tokens,
     their ratio, and top-1 agreement (share of positions where both argmaxes agree).
 
@@ -51,9 +52,10 @@ def eval_command(bundle: Path, texts: tuple[Path, ...], chunk: int | None, max_t
 
     if no_source and source is not None:
         raise InvalidParameterError("--source and --no-source contradict each other")
+    load = load_from(kw)
     report = evaluate_bundle(bundle, texts=read_texts(texts) if texts else None, chunk=chunk, max_tokens=max_tokens,
-                             source=source, use_source=not no_source, threads=threads,
-                             verify_checksums=not no_verify_checksums, quiet=quiet or as_json,
+                             source=source, use_source=not no_source, threads=load.threads,
+                             verify_checksums=load.verify_checksums, quiet=quiet or as_json,
                              progress=None if quiet else (lambda total: Progress(total, title="eval", every=1)))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

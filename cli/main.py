@@ -20,8 +20,7 @@ from ..errors import SpecedgeError
 from ..bundle_extra import ROUTES
 from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
 from ..manifest import ATTENTIONS, PRECISIONS
-from .options import config_from, generation_options
-from ..server.limits import DEFAULT_CACHE_SLOTS
+from .options import Local, config_from, generation_options, load_from, load_options, shared_option
 
 if TYPE_CHECKING:
     from ..bundle_extra import CostProfile
@@ -219,41 +218,26 @@ def _tune(bundle: Path, threads: int, quiet: bool) -> CostProfile:
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--threads", type=int, default=0, show_default=True, help="Threads per session (0 = ORT default).")
+@load_options("threads")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def tune(bundle: Path, threads: int, as_json: bool) -> None:
+def tune(bundle: Path, as_json: bool, **kw) -> None:
     """Measure this machine's step costs (c, v(k)) and record them in the bundle.
 
     The adaptive draft-length controller starts from this profile. A profile taken on
     another CPU or thread setting is ignored and re-measured at warm-up.
     """
-    measured = _tune(bundle, threads, quiet=as_json)
+    measured = _tune(bundle, load_from(kw).threads, quiet=as_json)
     if as_json:
         click.echo(json.dumps(measured.to_dict(), indent=2))
 
 
 # ----------------------------------------------------------------------------- generate
-def _load_options(fn):
-    from ..engines.base import PROVIDERS
-
-    options = [
-        click.option("--threads", type=int, default=0, show_default=True,
-                     help="Threads per session (0 = ORT default; at most this machine's CPU count)."),
-        click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True,
-                     help="Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says which load)."),
-        click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
 def _load(bundle: Path, kw: dict):
     from ..runtime.generator import Generator
 
-    return Generator.from_bundle(bundle, provider=kw["provider"], threads=kw["threads"],
-                                 verify_checksums=not kw["no_verify_checksums"],
-                                 load_draft=kw["speculation"])
+    load = load_from(kw)
+    return Generator.from_bundle(bundle, provider=load.provider, threads=load.threads,
+                                 verify_checksums=load.verify_checksums, load_draft=kw["speculation"])
 
 
 def _stats_line(result) -> str:
@@ -272,7 +256,7 @@ def _stats_line(result) -> str:
 @click.option("--stats", is_flag=True, help="Print speculation statistics to stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids and stats as JSON.")
 @generation_options()
-@_load_options
+@load_options("threads", "provider", "verify_checksums")
 def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool, **kw) -> None:
     """Generate a reply from a bundle, speculating whenever it pays.
 
@@ -312,16 +296,16 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON (plus 'conversation_cache').")
-@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks.")
-@click.option("--cache-slots", type=click.IntRange(1, 256), default=DEFAULT_CACHE_SLOTS, show_default=True,
-              help="Conversation slots to price (as `specedge serve --cache-slots`).")
-def info(bundle: Path, as_json: bool, no_verify_checksums: bool, cache_slots: int) -> None:
+@load_options("verify_checksums", "cache_slots", cache_slots=Local(note="Here: the slots to price."))
+def info(bundle: Path, as_json: bool, **kw) -> None:
     """Validate a bundle and describe its models, tokenizer, speculation defaults and what a
     conversation cache slot costs."""
     from ..manifest import load_manifest
     from ..runtime.slots import SlotCost
 
-    manifest = load_manifest(bundle, verify_checksums=not no_verify_checksums)
+    load = load_from(kw)
+    cache_slots = load.cache_slots
+    manifest = load_manifest(bundle, verify_checksums=load.verify_checksums)
     cost = SlotCost.of(manifest)
     if as_json:
         described = manifest.to_json()
@@ -352,7 +336,7 @@ def info(bundle: Path, as_json: bool, no_verify_checksums: bool, cache_slots: in
     click.echo(f"  conversation cache: {_mb(cost.bytes)} per slot (target {_mb(cost.target_bytes)}{draft} at "
                f"max_context {cost.max_context}); {cache_slots} slot{'s' * (cache_slots != 1)} "
                f"{_mb(cache_slots * cost.bytes)} (serve --cache-slots/--cache-memory)")
-    click.echo("  checksums: " + ("skipped" if no_verify_checksums else "all files verified"))
+    click.echo("  checksums: " + ("all files verified" if load.verify_checksums else "skipped"))
 
 
 def _mb(n: int) -> str:
@@ -418,8 +402,7 @@ def _quant_tuning_line(tuning) -> str:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Bundle folder (default: the cache's bundles/smollm2-self-int4).")
 @click.option("--prompt", default=DEMO_PROMPT, show_default=False, help="The chat prompt to run.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True,
-              help="Tokens to generate in each of the two runs.")
+@shared_option("max_new_tokens", Local(default=96, low=1, note="In each of the two runs."))
 @click.option("--exact", is_flag=True, help="Run both in exact mode (2-row plain steps): the outputs are then "
               "identical token for token, not only up to near ties.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
@@ -503,6 +486,11 @@ main.add_command(doctor)
 from .eval import eval_command  # noqa: E402
 
 main.add_command(eval_command)
+
+from .export_tools import export_fixture, export_measure  # noqa: E402
+
+main.add_command(export_fixture)
+main.add_command(export_measure)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from ..engines.base import PROVIDERS
 from ..errors import BackendUnavailableError
-from ..server.limits import (CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_CACHE_SLOTS, DEFAULT_MAX_BODY_BYTES,
-                             DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
+from ..server.limits import (CACHE_SHARING, DEFAULT_CACHE_SHARING, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS,
+                             DEFAULT_QUEUE_SIZE, DEFAULT_SHUTDOWN_GRACE_S, MAX_SHUTDOWN_GRACE_S)
+from .options import load_from, load_options
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # specedge is installed from a clone (it is not on PyPI): both forms, the clone's first.
 SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'specedge-*.whl[serve]' from a built wheel)"
@@ -36,24 +36,17 @@ SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'sp
               help="Requests that may wait while one generates; the next gets 429.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
               help="Larger request bodies get 413.")
-@click.option("--threads", type=int, default=0, show_default=True,
-              help="Threads per ONNX Runtime session (0 = ORT default; at most this machine's CPU count).")
-@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True,
-              help="Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says which load).")
+@load_options("threads", "provider", "verify_checksums", "cache_slots")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding for every request (the baseline); "
               "the draft model is not loaded.")
 @click.option("--exact", is_flag=True, help="Run every request in exact mode (token-identical greedy output: 2-row "
               "plain steps, 1.2-1.4x a plain step on int4 CPU bundles) unless it sends "
               "\"specedge\": {\"exact\": false}; without it requests are fast unless they send {\"exact\": true}.")
 @click.option("--no-warmup", is_flag=True, help="Skip running every session once at startup.")
-@click.option("--no-verify-checksums", is_flag=True, help="Skip sha256 checks of bundle files at load.")
 @click.option("--shutdown-grace", type=click.FloatRange(0, MAX_SHUTDOWN_GRACE_S), default=DEFAULT_SHUTDOWN_GRACE_S,
               show_default=True,
               help="Seconds a running reply may go on after SIGTERM; then it ends with finish_reason 'length'. "
               "Queued and new requests get 503 at once.")
-@click.option("--cache-slots", type=click.IntRange(1, 256), default=DEFAULT_CACHE_SLOTS, show_default=True,
-              help="Conversations whose KV caches are kept between requests; a request continuing one prefills "
-              "only its new tokens (least recently used evicted first).")
 @click.option("--cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
               help="MB the conversation caches may take (default: --cache-slots alone decides).")
 @click.option("--cache-sharing", type=click.Choice(list(CACHE_SHARING)), default=DEFAULT_CACHE_SHARING,
@@ -73,10 +66,10 @@ SERVE_INSTALL_HINT = "pip install -e '.[serve]' from a clone (or pip install 'sp
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's and specedge's log level (info: one line per request).")
 def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key_file: Path | None,
-          model_name: str | None, max_tokens: int, queue_size: int, max_body_bytes: int, threads: int, provider: str,
-          no_speculation: bool, exact: bool, no_warmup: bool, no_verify_checksums: bool, shutdown_grace: float, cache_slots: int,
+          model_name: str | None, max_tokens: int, queue_size: int, max_body_bytes: int,
+          no_speculation: bool, exact: bool, no_warmup: bool, shutdown_grace: float,
           cache_memory: float | None, cache_sharing: str, prompt_cache: Path | None, system_prompt: str | None,
-          log_level: str) -> None:
+          log_level: str, **kw) -> None:
     """Serve a bundle over an OpenAI-compatible API (chat and completions, streaming or not).
 
     \b
@@ -109,9 +102,10 @@ def serve(bundle: Path, host: str, port: int, api_keys: tuple[str, ...], api_key
         handler.setFormatter(logging.Formatter("%(levelname)s:     specedge: %(message)s"))  # uvicorn's look
         server_log.addHandler(handler)
     server_log.setLevel(log_level.upper())
-    generator = Generator.from_bundle(bundle, provider=provider, threads=threads,
-                                      verify_checksums=not no_verify_checksums, load_draft=not no_speculation,
-                                      cache_slots=cache_slots,
+    load = load_from(kw)
+    generator = Generator.from_bundle(bundle, provider=load.provider, threads=load.threads,
+                                      verify_checksums=load.verify_checksums, load_draft=not no_speculation,
+                                      cache_slots=load.cache_slots,
                                       cache_memory=None if cache_memory is None else int(cache_memory * 1e6))
     if prompt_cache is not None:
         server_log.info(warm_prompt_cache(generator, prompt_cache, _read_system_prompt(system_prompt), exact=exact))

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..bundle_extra import CostProfile, MachineFingerprint
-from .model_drafter import DEFAULT_DRAFT_WINDOW
+from .options import DEFAULT_DRAFT_WINDOW
 
 # Weight of the newest observation in every moving average the runtime keeps (step costs here,
 # acceptance in the k controller, mode rates in the loop): 0.2 follows a change of machine load

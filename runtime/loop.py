@@ -37,11 +37,10 @@ from ..engines.base import Engine, KVCache
 from .policies import PLAIN, Controller, DraftPlan
 from .costs import EMA_WEIGHT, CostModel, StepOutcome, ema
 from .drafting import ANY_SOURCE, LOOKUP_SOURCE, NO_LOOKUP, Drafter
+from .options import MODES
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 from .verify import NEAR_TIE_GAP, Proposal, verify
-
-MODES = ("sequential", "pipelined", "auto")
 
 
 @dataclass

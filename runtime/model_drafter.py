@@ -10,19 +10,21 @@ import numpy as np
 from ..engines.base import Engine
 from .sampling import SamplingConfig, sample, warp
 from .drafting import ANY_SOURCE, NO_LOOKUP, DraftModel, LookupOffer
+from .options import SINK_TOKENS, check
 from .slots import DraftPrefix
 from .verify import Proposal
 
 if TYPE_CHECKING:
     from .options import GenerationConfig
 
-# The draft model catches up on at most this many unseen tokens at once (its prompt prefill):
-# longer history is bridged to the first 4 + the most recent tokens. Why 64: it holds the
-# last user turn and the start of the reply, which is what a draft's next-token guess leans
-# on, while a catch-up token costs about a third of a draft step (0.30-0.34 measured on a
-# 2-core AVX2 EPYC), so 64 tokens cost ~20 draft steps where a 300-token prompt cost ~100.
-# It is also the catch-up `specedge tune` times: the one a long prompt actually costs.
-DEFAULT_DRAFT_WINDOW = 64
+
+def bridge(length: int, head: int, window: int) -> tuple[int, int]:
+    """Where a catch-up over ``history[head:length]`` longer than ``window`` is bridged: returns
+    (sink tokens still to feed after the ``head`` already cached, the first recent position), so the
+    draft reads ``history[:head + sink_fill] + history[tail:]``, ``window`` tokens past ``head``."""
+    sink_fill = max(SINK_TOKENS - head, 0)  # sink tokens still to feed before the gap
+    return sink_fill, length - (window - sink_fill)
+
 
 class ModelDrafter:
     """A draft model through an Engine, with its own KV cache.
@@ -49,10 +51,7 @@ class ModelDrafter:
     """
 
     name = "model"
-    # Attention sinks: the first tokens of a sequence draw a large share of every head's
-    # attention (Xiao et al. 2023, StreamingLLM); a context that drops them degrades far
-    # more than one that drops the same number of middle tokens. 4 is their measured choice.
-    SINK_TOKENS = 4
+    SINK_TOKENS = SINK_TOKENS  # attention sinks kept at the head of a bridged history (runtime/options.py)
 
     def __init__(self, engine: Engine, sampling: SamplingConfig, *, p_min: float = 0.0, seed: int | None = None,
                  cache=None, head_ids: np.ndarray | None = None, vocab_size: int | None = None,
@@ -85,8 +84,6 @@ class ModelDrafter:
     def check_window(cls, window: int | None) -> None:
         """Refuse a draft window that could not hold the sink tokens plus one recent token
         (the bound is the draft_window option's, in runtime/options.py)."""
-        from .options import check  # options imports this module
-
         check("draft_window", window)
 
     def begin(self, prompt: np.ndarray) -> None:
@@ -152,8 +149,7 @@ class ModelDrafter:
             return 0
         head = len(self.cached) if self._skipped == 0 else self._head  # one gap at a time
         self._truncate(head)
-        sink_fill = max(self.SINK_TOKENS - head, 0)  # sink tokens still to feed before the gap
-        tail = len(history) - (self.window - sink_fill)
+        sink_fill, tail = bridge(len(history), head, self.window)
         self._head = head + sink_fill
         self._skipped = tail - self._head
         if sink_fill:

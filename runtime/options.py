@@ -1,24 +1,29 @@
-"""The one source of generation options: :class:`GenerationConfig` and what each field allows.
+"""The one source of options: :class:`GenerationConfig` (per call), :class:`LoadConfig` (per
+process: how a bundle is loaded) and what each field allows.
 
 Every field carries an :class:`Option` (type, bounds, choices, help) in its dataclass
-metadata. ``GenerationConfig`` validates itself from it; the CLI's click options
-(``cli/options.py``), the server's ``specedge`` request extension (``server/protocol.py``)
-and the bench's configurations read the same metadata, so an option is written once,
-here, and its bound is stated once.
+metadata. Both configs validate themselves from it; the CLI's click options
+(``cli/options.py``: ``generate``, ``serve``, ``info``, ``eval``, ``tune`` and every bench
+subcommand), the server's ``specedge`` request extension (``server/protocol.py``) and the
+bench's configurations read the same metadata, so an option is written once, here, and its
+bound is stated once.
+
+This module sits below the loop and the drafters: the constants an option needs (the loop's
+modes, the draft window) are defined here and imported by them, never the other way round.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..engines.base import PROVIDERS, EngineOptions
 from ..errors import InvalidParameterError
 from ..manifest import MAX_CONTEXT, MAX_DRAFT_TOKENS
 from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER
-from .loop import MODES
-from .model_drafter import DEFAULT_DRAFT_WINDOW, ModelDrafter
 from .sampling import SamplingConfig
 
 # Each stop string is searched for after every committed block: bound the work per block.
@@ -34,6 +39,27 @@ MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 1 << 20  # above any vocabulary: the cap is then no cap
 MAX_CACHE_SALT_CHARS = 256  # a salt is an identifier (a hash, a tenant id), not a payload kept per slot
 MAX_SEED = (1 << 63) - 1  # numpy's generators take any int, but a seed past int64 is a typo
+
+# How the loop runs (runtime/loop.py): draft then verify, or verify while the next block is drafted.
+MODES = ("sequential", "pipelined", "auto")
+# The draft model's catch-up window (runtime/model_drafter.py): a stretch of history longer than
+# this is bridged to the first 4 + the most recent tokens. Why 64: it holds the
+# last user turn and the start of the reply, which is what a draft's next-token guess leans
+# on, while a catch-up token costs about a third of a draft step (0.30-0.34 measured on a
+# 2-core AVX2 EPYC), so 64 tokens cost ~20 draft steps where a 300-token prompt cost ~100.
+# It is also the catch-up `specedge tune` times: the one a long prompt actually costs.
+DEFAULT_DRAFT_WINDOW = 64
+# Attention sinks: the first tokens of a sequence draw a large share of every head's
+# attention (Xiao et al. 2023, StreamingLLM); a context that drops them degrades far
+# more than one that drops the same number of middle tokens. 4 is their measured choice.
+SINK_TOKENS = 4
+
+# More threads than CPUs only contend for them (engines/base.py EngineOptions refuses them).
+MAX_THREADS = os.cpu_count() or 1
+# Conversations whose caches `specedge serve` keeps: a voice agent talks to a few callers at once,
+# and each slot costs the target's and the draft's caches at max_context (`specedge info` prices them).
+DEFAULT_CACHE_SLOTS = 4
+MAX_CACHE_SLOTS = 256  # far past the callers one device serves at once: a larger count is a typo
 
 
 @dataclass(frozen=True)
@@ -86,9 +112,9 @@ def _valid_text(text: str) -> bool:
 
 
 def check(name: str, value: Any, *, where: str | None = None) -> Any:
-    """Validate ``value`` for GenerationConfig field ``name``; return it normalised (a stop string
-    becomes a 1-tuple). Raises InvalidParameterError naming ``where`` (default: the field)."""
-    opt = OPTIONS[name]
+    """Validate ``value`` for GenerationConfig (or LoadConfig) field ``name``; return it normalised (a
+    stop string becomes a 1-tuple). Raises InvalidParameterError naming ``where`` (default: the field)."""
+    opt = OPTIONS[name] if name in OPTIONS else LOAD_OPTIONS[name]
     where = where or name
     none = " or None" if opt.nullable else ""
     if value is None:
@@ -170,9 +196,9 @@ class GenerationConfig:
         cli=("--max-latency",), server=True)
     draft_window: int | None = option(
         DEFAULT_DRAFT_WINDOW, "Most unseen tokens the draft model reads at once (its prompt prefill): longer "
-        f"history is bridged to its first {ModelDrafter.SINK_TOKENS} + most recent tokens, so a long prompt costs "
+        f"history is bridged to its first {SINK_TOKENS} + most recent tokens, so a long prompt costs "
         "the draft little. Output is unchanged; only acceptance can drop. 0 = read everything.", int,
-        low=ModelDrafter.SINK_TOKENS, low_open=True, high=MAX_CONTEXT, nullable=True, zero_is_none=True,
+        low=SINK_TOKENS, low_open=True, high=MAX_CONTEXT, nullable=True, zero_is_none=True,
         server=True)
     # A conversation's next call reuses the K/V its slot holds for the longest common prefix
     # (runtime/slots.py): the reply is the cold reply, only its prefill is shorter.
@@ -216,3 +242,31 @@ class GenerationConfig:
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(GenerationConfig)}
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Per-process settings: how a bundle's sessions are made and how many conversations they keep.
+    The CLI's ``generate``, ``serve``, ``info``, ``eval``, ``tune`` and the bench read them from here."""
+
+    # The upper bound is this machine's CPU count; EngineOptions states the rule and its message.
+    threads: int = option(0, "Intra-op threads per ONNX Runtime session (0 = ORT default; at most this machine's "
+                          "CPU count).", int, low=0, high=MAX_THREADS)
+    provider: str = option("cpu", "Execution provider (cuda/tensorrt need onnxruntime-gpu; `specedge doctor` says "
+                           "which load).", str, choices=PROVIDERS)
+    verify_checksums: bool = option(True, "Skip sha256 checks of bundle files at load.", bool,
+                                    cli=("--no-verify-checksums",), invert=True)
+    cache_slots: int = option(DEFAULT_CACHE_SLOTS, "Conversations whose KV caches are kept between requests "
+                              "(`specedge info` prices them); a request continuing one prefills only its new tokens "
+                              "(least recently used evicted first).", int, low=1, high=MAX_CACHE_SLOTS)
+
+    def __post_init__(self) -> None:
+        self.engine_options()  # the thread count first, refused with the engines' own message
+        for name in LOAD_OPTIONS:
+            check(name, getattr(self, name))
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(provider=self.provider, intra_op_threads=self.threads)
+
+
+LOAD_OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(LoadConfig)}

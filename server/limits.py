@@ -13,9 +13,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat history is ~100 KB; more 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_SHUTDOWN_GRACE_S = 5.0  # how long a running reply may go on after SIGTERM before it is cut
 MAX_SHUTDOWN_GRACE_S = 3600.0  # a longer grace is a typo: a supervisor would kill the process first
-# Conversations whose caches `specedge serve` keeps: a voice agent talks to a few callers at once,
-# and each slot costs the target's and the draft's caches at max_context (`specedge info` prices them).
-DEFAULT_CACHE_SLOTS = 4
 # Which requests may reuse each other's cached prompt prefixes (`specedge serve --cache-sharing`). A
 # request's cache_salt always separates it from other salts, whatever the policy.
 CACHE_SHARING = {

@@ -600,7 +600,7 @@ _REC = dict(workload="w", category="code", round=0, token_times_s=[], tokens_per
 
 def test_draft_window_suffix_names_a_window():
     """``-w<N>`` sets the draft window (``-w0``: the whole history); without it, the runtime default."""
-    from specedge.runtime.model_drafter import DEFAULT_DRAFT_WINDOW
+    from specedge.runtime.options import DEFAULT_DRAFT_WINDOW
 
     assert parse_config_name("model-adaptive-w0").generation_config(16).draft_window is None
     assert parse_config_name("model-k2-w16").generation_config(16).draft_window == 16

@@ -96,3 +96,69 @@ def test_a_cache_salt_is_a_bounded_non_empty_string():
                        ("x" * (MAX_CACHE_SALT_CHARS + 1), f"at most {MAX_CACHE_SALT_CHARS}")):
         with pytest.raises(InvalidParameterError, match=match):
             GenerationConfig(cache_salt=bad)
+
+
+def test_every_load_option_is_declared_once_with_its_bounds():
+    from specedge.runtime.options import LOAD_OPTIONS, LoadConfig
+
+    assert set(LOAD_OPTIONS) == {f.name for f in dataclasses.fields(LoadConfig)}
+    for name, option in LOAD_OPTIONS.items():
+        assert option.help, name
+        if option.kind is int:
+            assert option.low is not None and option.high is not None, f"{name} needs both bounds"
+        if option.kind is str:
+            assert option.choices, name
+
+
+def test_a_load_config_refuses_out_of_range_values_with_the_engines_message_for_threads():
+    from specedge.runtime.options import MAX_CACHE_SLOTS, LoadConfig
+
+    assert LoadConfig(threads=1, cache_slots=MAX_CACHE_SLOTS).cache_slots == MAX_CACHE_SLOTS
+    with pytest.raises(InvalidParameterError, match=r"thread counts must be integers in \[0, \d+\]"):
+        LoadConfig(threads=2**31)
+    with pytest.raises(InvalidParameterError, match=r"cache_slots must be an integer in \[1, 256\]; got 0"):
+        LoadConfig(cache_slots=0)
+    with pytest.raises(InvalidParameterError, match=r"provider must be one of"):
+        LoadConfig(provider="gpu")
+
+
+def _commands(group, path=()):
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*path, name))
+        else:
+            yield " ".join((*path, name)), command
+
+
+def test_every_command_takes_load_options_and_max_new_tokens_from_the_one_declaration():
+    """A command's --threads, --provider, --no-verify-checksums, --cache-slots and --max-new-tokens
+    carry the shared help (a command may append a note, its own default and a tighter range)."""
+    from specedge.cli.main import main
+    from specedge.runtime.options import LOAD_OPTIONS
+
+    shared = {**LOAD_OPTIONS, "max_new_tokens": OPTIONS["max_new_tokens"]}
+    seen = set()
+    for path, command in _commands(main):
+        for param in command.params:
+            if param.name in shared and not (path == "bench profile" and param.name == "threads"):  # a list
+                assert param.help.startswith(shared[param.name].help), (path, param.name)
+                seen.add((path, param.name))
+    assert {("serve", n) for n in LOAD_OPTIONS} <= seen
+    assert {(c, "threads") for c in ("generate", "eval", "tune", "bench run", "bench variants",
+                                     "bench conversation", "bench prefill", "bench bound")} <= seen
+    assert {(c, "max_new_tokens") for c in ("demo", "bench run", "bench variants", "bench threads",
+                                            "bench conversation", "bench bound")} <= seen
+
+
+def test_options_import_neither_the_loop_nor_a_drafter():
+    """The options sit below the loop and the drafters: the constants they need live in options.py."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specedge.runtime.options; "
+            "print(sorted(m for m in sys.modules if m.startswith('specedge.runtime.') and "
+            "m.rsplit('.', 1)[1] in ('loop', 'model_drafter', 'generator')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
