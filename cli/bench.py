@@ -260,14 +260,29 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) ->
 @click.option("--gguf", type=click.Path(path_type=Path), default=None,
               help="The GGUF file for the llama.cpp peer (default: the one the bundle was exported from).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-turn records and summary as JSON.")
+@click.option("--preemptive", is_flag=True,
+              help="Preemptive generation through the server (configs cold, single, preemptive): each turn sends "
+              "--attempts requests on growing prefixes of the user's words, each cancelled (the client closes "
+              "the stream), then the final one.")
+@click.option("--attempts", type=click.IntRange(0, 3), default=3, show_default=True,
+              help="With --preemptive: cancelled requests per turn (LiveKit retries up to 3).")
+@click.option("--cancel-after-ms", default="150-400", show_default=True,
+              help="With --preemptive: cancel each attempt this long after sending it (LOW-HIGH, uniform, seeded).")
+@click.option("--cancel-after-blocks", type=click.IntRange(0, 4096), default=None,
+              help="With --preemptive: cancel each attempt after this many streamed deltas instead (deterministic).")
 def conversation(bundle, configs, conversation_file, turns, max_new_tokens, threads, no_speculation,
-                 llamacpp, gguf, as_json) -> None:
+                 llamacpp, gguf, as_json, preemptive, attempts, cancel_after_ms, cancel_after_blocks) -> None:
     """A voice-agent call turn by turn: time to first token with and without conversation cache reuse.
 
     Replays bench/prompts/conversation.json (a long system prompt, ten user turns; each reply is
     appended to the history) on one Generator per configuration, turn by turn interleaved.
+    With --preemptive, each configuration runs behind its own server and is measured over HTTP.
     """
     import json
+
+    if preemptive:
+        sys.exit(_preemptive(bundle, conversation_file, turns, max_new_tokens, threads, attempts,
+                             cancel_after_ms, cancel_after_blocks, as_json))
 
     from ..bench.conversation import format_report, load_conversation, run_conversation
     from ..runtime.generator import Generator
@@ -307,6 +322,40 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
         click.echo(format_report(report))
         for note in peer.ready["notes"] if peer is not None else ():
             click.echo(f"note: {note}")
+
+
+def _preemptive(bundle, conversation_file, turns, max_new_tokens, threads, attempts, cancel_after_ms,
+                cancel_after_blocks, as_json) -> int:
+    import json
+
+    from ..bench.conversation import load_conversation
+    from ..bench.preemptive import CONFIGS, CancelPlan, LocalServer, format_report, run_preemptive
+    from ..runtime.generator import Generator
+    from ..server.limits import DEFAULT_CACHE_SLOTS
+
+    try:
+        low, high = (float(x) / 1e3 for x in cancel_after_ms.split("-"))
+    except ValueError:
+        raise click.BadParameter(f"use LOW-HIGH in milliseconds; got {cancel_after_ms!r}",
+                                 param_hint="--cancel-after-ms") from None
+    plan = CancelPlan(attempts=attempts, after_s=(low, high), after_blocks=cancel_after_blocks)
+    talk = load_conversation(conversation_file) if conversation_file else load_conversation()
+    if turns:
+        talk = replace(talk, turns=talk.turns[:turns])
+    servers = {}
+    try:
+        for name in CONFIGS:  # the server's defaults: its slot count, a warm start
+            gen = Generator.from_bundle(bundle, threads=threads, cache_slots=DEFAULT_CACHE_SLOTS)
+            gen.warmup(tune=False)
+            servers[name] = LocalServer(gen)
+        with click.progressbar(length=len(CONFIGS) * len(talk.turns), label="preemptive", file=sys.stderr) as bar:
+            report = run_preemptive(servers, talk, plan=plan, max_new_tokens=max_new_tokens,
+                                    progress=lambda *_: bar.update(1))
+    finally:
+        for server in servers.values():
+            server.close()
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report, plan))
+    return 0
 
 
 def _conversation_peer(generators: dict, talk, bundle: Path, threads: int, gguf: Path | None, tmp: Path):

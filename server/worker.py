@@ -51,6 +51,8 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.enqueued_at = time.perf_counter()
         self.started_at: float | None = None  # when the worker picked it up
+        self.finished_at: float | None = None  # when the worker was done with it (or it left the queue)
+        self.outcome: str | None = None  # the counter it landed in
         self._loop = loop
         self._cancelled = threading.Event()
         self._stream: TextStream | None = None
@@ -106,6 +108,8 @@ class GenerationWorker:
         # The latest prefill-ahead per cache namespace, until a generation runs under that namespace:
         # (its name, its prompt). Only the worker thread reads and writes it.
         self._prefilled: dict[str | None, tuple[str, list[int]]] = {}
+        # The latest finished jobs, newest last (their times and outcomes: the preemptive bench reads them).
+        self.finished: deque[Job] = deque(maxlen=256)
         # Counters for /health; only ever incremented, under _cond.
         self.counters = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0, "failed": 0}
 
@@ -197,6 +201,7 @@ class GenerationWorker:
             try:
                 self._pending.remove(job)
                 self.counters["cancelled"] += 1
+                self._finished(job, "cancelled")
             except ValueError:
                 pass  # running or finished: the worker counts it
         job._cancel()
@@ -230,6 +235,12 @@ class GenerationWorker:
                 with self._cond:
                     self._running = None
                     self.counters[outcome] += 1
+                    self._finished(job, outcome)
+
+    def _finished(self, job: Job, outcome: str) -> None:
+        """Record a job the worker is done with (under _cond)."""
+        job.finished_at, job.outcome = time.perf_counter(), outcome
+        self.finished.append(job)
 
     def _run(self, job: Job) -> str:
         """Generate one job, streaming its deltas; return the counter it lands in."""

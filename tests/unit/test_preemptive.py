@@ -70,3 +70,30 @@ def test_a_cancelled_attempt_does_not_make_another_conversation_follow_it(refere
     other = SYSTEM + [(13 * i) % 70 + 11 for i in range(20)] + TAIL
     assert gen.generate(input_ids=other, **OPTIONS).stats.reused_tokens == 0
     assert gen.generate(input_ids=_prompt(SYSTEM, 30), **OPTIONS).stats.reused_tokens == len(SYSTEM) + 16
+
+
+def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_as_a_single_request(reference):
+    """bench/preemptive.py end to end on reference Generators behind real servers: cancels after N
+    deltas (deterministic), every attempt accounted for, the final replies equal across configurations."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    from specedge.bench.conversation import Conversation
+    from specedge.bench.preemptive import CONFIGS, CancelPlan, LocalServer, attempt_texts, run_preemptive
+
+    assert attempt_texts("w010 w011 w012 w013", 3) == ["w010", "w010 w011", "w010 w011 w012"]
+    talk = Conversation("w020 w021 w022 w023 w024 w025", ("w030 w031 w032 w033 w034 w035 w036 w037",
+                                                           "w040 w041 w042 w043 w044 w045"))
+    servers = {name: LocalServer(reference(cache_slots=4)) for name in CONFIGS}
+    try:
+        report = run_preemptive(servers, talk, plan=CancelPlan(attempts=3, after_blocks=2), max_new_tokens=12)
+    finally:
+        for server in servers.values():
+            server.close()
+    assert report.identical
+    rows = {(t.config, t.turn): t for t in report.turns}
+    for turn in range(2):
+        final = rows["preemptive", turn]
+        assert len(final.attempts) == 3 and all(a.ran for a in final.attempts)  # cancelled while streaming
+        assert rows["cold", turn].reused_tokens == 0
+        # The final request reuses what its last attempt shared with it (at least the single request's reuse).
+        assert final.reused_tokens >= rows["single", turn].reused_tokens and final.reused_tokens > 0

@@ -1,0 +1,317 @@
+"""The preemptive-generation benchmark: a voice-agent call whose every turn sends cancelled requests first.
+
+LiveKit's preemptive generation (on by default) and Pipecat's eager end of turn start an LLM
+request on an interim transcript and cancel it when the transcript grows; the final request
+follows. This bench replays ``bench/prompts/conversation.json`` that way, through the server, as
+its users meet it: each configuration is its own Generator behind its own ``create_app`` on a
+loopback port (uvicorn on a thread, the real worker, streaming over HTTP), and a cancel is the
+client closing the connection.
+
+Configurations, interleaved turn by turn (so machine noise hits each alike):
+- ``cold``: the final request alone, ``reuse_prefix`` off (every turn prefills the whole history);
+- ``single``: the final request alone (the conversation's slot reused);
+- ``preemptive``: up to ``attempts`` requests, the i-th with the first i/(attempts+1) of the
+  user's words, each cancelled ``cancel_after_s`` (uniform, seeded) after it was sent, or after
+  ``cancel_after_blocks`` streamed deltas; then the final request.
+
+Reported per turn: the final request's time to first token (send to first content byte), its
+reused prompt tokens (``usage.prompt_tokens_details.cached_tokens``); per cancelled attempt, the
+time from the close to the worker being done with it (0 for one still queued: it never ran) and
+the worker seconds it took (wasted compute).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InvalidParameterError
+from .conversation import Conversation
+
+CONFIGS = ("cold", "single", "preemptive")
+MAX_ATTEMPTS = 3  # LiveKit's retries per user turn
+MODEL = "bench"  # the model id the bench's servers answer to
+
+
+@dataclass(frozen=True)
+class CancelPlan:
+    """When each preemptive attempt is cancelled."""
+
+    attempts: int = 3  # cancelled requests before the final one (0..MAX_ATTEMPTS)
+    after_s: tuple[float, float] = (0.15, 0.40)  # cancel this long after sending (uniform in the range)
+    after_blocks: int | None = None  # instead: after this many streamed deltas (deterministic)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.attempts <= MAX_ATTEMPTS:
+            raise InvalidParameterError(f"attempts must be in 0..{MAX_ATTEMPTS}; got {self.attempts}")
+        if not 0 <= self.after_s[0] <= self.after_s[1]:
+            raise InvalidParameterError(f"cancel_after_s must be a range low <= high; got {self.after_s}")
+        if self.after_blocks is not None and self.after_blocks < 0:
+            raise InvalidParameterError(f"cancel_after_blocks must be >= 0; got {self.after_blocks}")
+
+
+def attempt_texts(final: str, attempts: int) -> list[str]:
+    """The interim transcripts of ``final``: the i-th keeps the first i/(attempts+1) of its words (>= 1)."""
+    words = final.split()
+    return [" ".join(words[:max(1, len(words) * i // (attempts + 1))]) for i in range(1, attempts + 1)]
+
+
+# ----------------------------------------------------------------------------- the server and its client
+class LocalServer:
+    """``create_app(generator)`` behind uvicorn on a free loopback port, on a background thread."""
+
+    def __init__(self, generator) -> None:
+        import uvicorn
+
+        from ..server.app import create_app
+
+        self.generator = generator
+        self.app = create_app(generator, warmup=False, max_tokens=None, model_name=MODEL)
+        self.worker = self.app.state.worker
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the bench's uvicorn server did not start")
+            time.sleep(0.01)
+
+    def job(self, messages: list[dict], since: float, timeout: float = 5.0):
+        """The worker's finished job for ``messages`` enqueued after ``since`` (perf_counter), or None
+        when none reaches the worker within ``timeout`` (a client that left before the server had read
+        and parsed its request: the request id never came back, so jobs are found by prompt)."""
+        ids = self.generator.encode_prompt(messages=messages)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for job in reversed(self.worker.finished):
+                if job.prompt_ids == ids and job.enqueued_at >= since:
+                    return job
+            time.sleep(0.001)
+        return None
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@dataclass
+class StreamRun:
+    """One streamed chat request as its client saw it (perf_counter times)."""
+
+    request_id: str = ""
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    closed_at: float | None = None  # when the client closed it early (a cancel)
+    deltas: int = 0
+    text: str = ""
+    usage: dict = field(default_factory=dict)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+
+def stream_chat(port: int, body: dict, *, cancel_at: float | None = None,
+                cancel_after_deltas: int | None = None) -> StreamRun:
+    """POST /v1/chat/completions with ``stream`` on, reading server-sent events; close the connection
+    at ``cancel_at`` (perf_counter) or after ``cancel_after_deltas`` content deltas (0: at once,
+    once the response has started)."""
+    payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+    run = StreamRun()
+    sock = socket.create_connection(("127.0.0.1", port))
+    run.sent_at = time.perf_counter()
+    sock.sendall(head + payload)
+    raw, events, headers_done, cancelled = b"", b"", False, True
+    try:
+        while True:
+            if cancel_at is not None:
+                left = cancel_at - time.perf_counter()
+                if left <= 0:
+                    break
+                sock.settimeout(left)
+            try:
+                data = sock.recv(65536)
+            except socket.timeout:
+                break
+            if not data:
+                cancelled = False
+                return run
+            raw += data
+            if not headers_done:
+                if b"\r\n\r\n" not in raw:
+                    continue
+                header, raw = raw.split(b"\r\n\r\n", 1)
+                headers_done = True
+                status = header.split(b"\r\n", 1)[0].decode("latin-1")
+                if status.split()[1] != "200":
+                    raise RuntimeError(f"the server answered {status}: {raw[:300]!r}")
+                for line in header.split(b"\r\n")[1:]:
+                    name, _, value = line.decode("latin-1").partition(":")
+                    if name.strip().lower() == "x-request-id":
+                        run.request_id = value.strip()
+                if cancel_after_deltas == 0:
+                    break
+            while b"\r\n" in raw:  # chunked transfer encoding: size line, data, CRLF
+                size_line, rest = raw.split(b"\r\n", 1)
+                size = int(size_line.split(b";")[0], 16)
+                if len(rest) < size + 2:
+                    break
+                events += rest[:size]
+                raw = rest[size + 2:]
+                if size == 0:  # the end of the body: its events are parsed below
+                    break
+            while b"\n\n" in events:
+                event, events = events.split(b"\n\n", 1)
+                data_line = event.decode("utf-8").removeprefix("data: ")
+                if data_line == "[DONE]":
+                    cancelled = False
+                    return run
+                chunk = json.loads(data_line)
+                if "error" in chunk:
+                    raise RuntimeError(f"the server answered an error: {chunk['error']}")
+                if chunk.get("usage"):
+                    run.usage = chunk["usage"]
+                for choice in chunk.get("choices", ()):
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        run.first_token_at = run.first_token_at or time.perf_counter()
+                        run.text += text
+                        run.deltas += 1
+                if cancel_after_deltas is not None and run.deltas >= cancel_after_deltas:
+                    return run
+        return run
+    finally:
+        sock.close()  # before [DONE]: the client cancels (the server sees the disconnect)
+        if cancelled:
+            run.closed_at = time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- the call
+@dataclass
+class AttemptRecord:
+    ran: bool  # the worker started it (else it was cancelled while queued)
+    free_s: float  # from the client's close to the worker being done with it (0 if it never ran)
+    worker_s: float  # worker seconds it took (wasted compute; 0 if it never ran)
+
+
+@dataclass
+class PreemptiveTurn:
+    config: str
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_s: float
+    reply: str
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+
+@dataclass
+class PreemptiveReport:
+    turns: list[PreemptiveTurn] = field(default_factory=list)
+    identical: bool = True  # the final replies are the same text in every configuration
+
+    def summary(self) -> dict:
+        out = {}
+        for config in dict.fromkeys(t.config for t in self.turns):
+            rows = [t for t in self.turns if t.config == config]
+            attempts = [a for t in rows for a in t.attempts]
+            ran = [a for a in attempts if a.ran]
+            out[config] = {
+                "ttft_p50_s": statistics.median(t.ttft_s for t in rows),
+                "ttft_later_p50_s": statistics.median([t.ttft_s for t in rows if t.turn > 0] or [rows[0].ttft_s]),
+                "reused_tokens": sum(t.reused_tokens for t in rows),
+                "prompt_tokens": sum(t.prompt_tokens for t in rows),
+                "min_reused_fraction": min(t.reused_tokens / t.prompt_tokens for t in rows),
+                "attempts": len(attempts), "attempts_run": len(ran),
+                "cancel_to_free_p50_s": statistics.median(a.free_s for a in ran) if ran else None,
+                "cancel_to_free_max_s": max(a.free_s for a in ran) if ran else None,
+                "wasted_worker_s": sum(a.worker_s for a in ran),
+                "wasted_worker_per_turn_p50_s": statistics.median(sum(a.worker_s for a in t.attempts) for t in rows),
+            }
+        return out
+
+    def to_json(self) -> dict:
+        return {"identical": self.identical, "summary": self.summary(),
+                "turns": [{**t.__dict__, "attempts": [a.__dict__ for a in t.attempts]} for t in self.turns]}
+
+
+def run_preemptive(servers: dict, conversation: Conversation, *, plan: CancelPlan = CancelPlan(),
+                   max_new_tokens: int = 48, progress=None) -> PreemptiveReport:
+    """Replay ``conversation`` on each configuration's server (``{config: LocalServer}``), turn by turn."""
+    unknown = set(servers) - set(CONFIGS)
+    if unknown:
+        raise InvalidParameterError(f"unknown preemptive configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    rng = random.Random(plan.seed)
+    report = PreemptiveReport()
+    histories = {c: [{"role": "system", "content": conversation.system}] for c in servers}
+    for turn, text in enumerate(conversation.turns):
+        replies = set()
+        for config, server in servers.items():
+            body = {"model": MODEL, "max_tokens": max_new_tokens, "temperature": 0,
+                    "specedge": {"reuse_prefix": config != "cold"}}
+            cancelled = []
+            if config == "preemptive":
+                for partial in attempt_texts(text, plan.attempts):
+                    sent = time.perf_counter()
+                    tried = histories[config] + [{"role": "user", "content": partial}]
+                    run = stream_chat(server.port, {**body, "messages": tried},
+                                      cancel_at=None if plan.after_blocks is not None else sent + rng.uniform(*plan.after_s),
+                                      cancel_after_deltas=plan.after_blocks)
+                    cancelled.append((tried, sent, run))
+            messages = histories[config] + [{"role": "user", "content": text}]
+            final = stream_chat(server.port, {**body, "messages": messages})
+            attempts = []
+            for tried, sent, run in cancelled:
+                job = server.job(tried, sent)
+                ran = job is not None and job.started_at is not None
+                closed = run.closed_at if run.closed_at is not None else (job.finished_at if ran else 0.0)
+                attempts.append(AttemptRecord(ran, max(0.0, job.finished_at - closed) if ran else 0.0,
+                                              job.finished_at - job.started_at if ran else 0.0))
+            usage = final.usage
+            report.turns.append(PreemptiveTurn(config, turn, usage.get("prompt_tokens", 0),
+                                               (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                                               final.ttft_s if final.ttft_s is not None else float("nan"),
+                                               final.text, attempts))
+            replies.add(final.text)
+            histories[config] = messages + [{"role": "assistant", "content": final.text}]
+            if progress is not None:
+                progress(config, turn)
+        report.identical &= len(replies) == 1
+    return report
+
+
+def format_report(report: PreemptiveReport, plan: CancelPlan) -> str:
+    when = (f"after {plan.after_blocks} streamed deltas" if plan.after_blocks is not None
+            else f"{plan.after_s[0] * 1e3:.0f}-{plan.after_s[1] * 1e3:.0f} ms after sending")
+    lines = [f"preemptive: {plan.attempts} cancelled request(s) per turn, each cancelled {when}, then the final one",
+             "", "| config | final TTFT p50 | later turns p50 | reused / prompt tokens | worst turn reused | "
+             "attempts run / sent | cancel to free p50 / max | wasted worker s (total, p50 per turn) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for config, row in report.summary().items():
+        free = ("" if row["cancel_to_free_p50_s"] is None else
+                f"{row['cancel_to_free_p50_s'] * 1e3:.0f} / {row['cancel_to_free_max_s'] * 1e3:.0f} ms")
+        lines.append(f"| {config} | {row['ttft_p50_s'] * 1e3:.0f} ms | {row['ttft_later_p50_s'] * 1e3:.0f} ms | "
+                     f"{row['reused_tokens']} / {row['prompt_tokens']} | {row['min_reused_fraction']:.0%} | "
+                     f"{row['attempts_run']} / {row['attempts']} | {free} | "
+                     f"{row['wasted_worker_s']:.2f}, {row['wasted_worker_per_turn_p50_s']:.2f} |")
+    lines += ["", "per turn: final TTFT ms (reused/prompt tokens)", ""]
+    configs = list(report.summary())
+    lines += ["| turn | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    for turn in sorted({t.turn for t in report.turns}):
+        cells = {t.config: f"{t.ttft_s * 1e3:.0f} ({t.reused_tokens}/{t.prompt_tokens})"
+                 for t in report.turns if t.turn == turn}
+        lines.append(f"| {turn + 1} | " + " | ".join(cells.get(c, "") for c in configs) + " |")
+    lines += ["", "final replies identical across configurations: " + ("yes" if report.identical else "NO")]
+    return "\n".join(lines)
