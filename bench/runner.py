@@ -249,13 +249,6 @@ class StepCosts:
                 "exact_step": metrics.median(self.exact_step)}
 
 
-def measure_step_costs(gen, prompt_ids: list[int], lengths: list[int], reps: int) -> dict:
-    """One batch of step-cost measurements (see StepCosts)."""
-    costs = StepCosts(gen, prompt_ids, lengths)
-    costs.sample(reps)
-    return costs.result()
-
-
 # ----------------------------------------------------------------------------- aggregation
 def _ms_per_token(runs: list[RunRecord]) -> dict[str, float]:
     """Per step source, the cell's seconds over its committed tokens, in ms (sources without tokens left out)."""

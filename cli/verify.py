@@ -17,6 +17,10 @@ Routes that cannot run here are reported as skipped, with the reason (a provider
 that does not load says why). Exporting needs torch and transformers (the
 ``export`` extra); without them nothing is exported and the report says so.
 A route fails only on a wrong token, a misaligned address or an exception.
+
+This module runs the routes and writes the report; the engine-level probes (can a route run,
+the bound addresses, the device bandwidth) are ``engines/gpu_probe.py``, the tiny models
+``export/tiny.py``.
 """
 
 from __future__ import annotations
@@ -26,176 +30,21 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+
+from ..engines.gpu_probe import ROUTES, AddressLog, device_bandwidth, route_missing
+from ..export.tiny import build_tiny_model, export_tiny, exporter_missing
+from ..runtime.costs import median_forward
 
 PROMPT_IDS = list(range(6, 26))  # 20 plain words of the tiny vocabulary
 N_NEW = 24
 DRAFT_TOKENS = 4  # k for the speculative runs; the verify timing uses k + 1 tokens
 SEED = 1
 TEMPERATURE = 0.8
-VOCAB = 300
-ROUTES = ("cpu-mode", "cuda", "ort-trt", "native")
 # (Generator provider, engine backend) per GPU route; cpu-mode builds its engines itself.
 ROUTE_PROVIDER = {"cuda": "cuda", "ort-trt": "tensorrt", "native": "tensorrt"}
-
-
-# --------------------------------------------------------------------------- what can run here
-
-
-def route_missing(route: str) -> str | None:
-    """Why ``route`` cannot run on this machine, or None."""
-    from ..engines.device import cuda_call, import_cudart
-    from ..engines.providers import probe_provider
-    from ..engines.tensorrt import import_tensorrt
-    from ..errors import BackendUnavailableError
-
-    if route == "cpu-mode":
-        return None
-    if route in ("cuda", "ort-trt"):
-        probe = probe_provider("cuda" if route == "cuda" else "tensorrt")
-        return None if probe.loadable else probe.reason
-    try:
-        import_tensorrt()
-        if cuda_call(import_cudart().cudaGetDeviceCount(), "cudaGetDeviceCount") < 1:
-            return "no CUDA device"
-    except BackendUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-def exporter_missing() -> str | None:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        return (f"the exporter needs torch and transformers ({exc}): pip install 'specedge[export]' "
-                "(the CPU torch wheel is enough)")
-    return None
-
-
-# --------------------------------------------------------------------------- tiny models
-
-
-def build_tiny_model(out: Path, seed: int) -> Path:
-    """A 2-layer random-weight Llama (hidden 64, 4 heads, 2 KV heads, vocab 300) with a word-level tokenizer."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    # std 0.15 (HF's 0.02 gives logits of std ~0.15 here): far-apart top-2 logits, so fp rounding on
-    # another device cannot flip a greedy argmax.
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, initializer_range=0.15)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-    model.save_pretrained(str(out))
-    words = ["<s>", "</s>", "<unk>"] + [f"w{i:03d}" for i in range(3, VOCAB)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<unk>").save_pretrained(str(out))
-    return out
-
-
-def export_tiny(work: Path, name: str, **options) -> Path:
-    from ..export.bundle import ExportConfig, export_bundle
-
-    out = work / name
-    if not out.exists():
-        export_bundle(ExportConfig(target=str(work / "target"), draft=str(work / "draft"), out=out,
-                                   max_context=128, quiet=True, **options))
-    return out
-
-
-# --------------------------------------------------------------------------- recording bound addresses
-
-
-class _RecordingBinding:
-    """Forwards to an ORT IOBinding and records each device address bound."""
-
-    def __init__(self, binding, record: Callable[[str, str, int], None]) -> None:
-        self._binding, self._record = binding, record
-
-    def bind_input(self, name, device, device_id, dtype, shape, ptr):
-        self._record(name, device, ptr)
-        return self._binding.bind_input(name, device, device_id, dtype, shape, ptr)
-
-    def bind_output(self, name, device, device_id=0, dtype=None, shape=None, ptr=None):
-        if ptr is not None:
-            self._record(name, device, ptr)
-        return self._binding.bind_output(name, device, device_id, dtype, shape, ptr)
-
-    def bind_cpu_input(self, name, array):
-        return self._binding.bind_cpu_input(name, array)
-
-    def __getattr__(self, attr):
-        return getattr(self._binding, attr)
-
-
-class _RecordingSession:
-    def __init__(self, session, record) -> None:
-        self._session, self._record = session, record
-
-    def io_binding(self):
-        return _RecordingBinding(self._session.io_binding(), self._record)
-
-    def run_with_iobinding(self, binding, *args):
-        inner = binding._binding if isinstance(binding, _RecordingBinding) else binding
-        return self._session.run_with_iobinding(inner, *args)
-
-    def __getattr__(self, attr):
-        return getattr(self._session, attr)
-
-
-class _RecordingContext:
-    def __init__(self, context, record) -> None:
-        self._context, self._record = context, record
-
-    def set_tensor_address(self, name, ptr):
-        self._record(name, "device", ptr)
-        return self._context.set_tensor_address(name, ptr)
-
-    def __getattr__(self, attr):
-        return getattr(self._context, attr)
-
-
-class AddressLog:
-    """Every (tensor, address) an engine bound to device memory; host-side inputs are not device addresses."""
-
-    def __init__(self, host_names: frozenset[str] = frozenset()) -> None:
-        self.addresses: list[tuple[str, int]] = []
-        self.host_names = host_names
-
-    def record(self, name: str, device: str, ptr: int) -> None:
-        if name not in self.host_names:
-            self.addresses.append((name, int(ptr)))
-
-    def watch(self, engine) -> None:
-        """Route ``engine``'s bindings through this log (the device-cache ORT engine or the native one)."""
-        from ..engines.ort_cuda import OrtCudaEngine
-        from ..engines.tensorrt import TensorrtEngine
-
-        if isinstance(engine, OrtCudaEngine):
-            engine.session = _RecordingSession(engine.session, self.record)
-        elif isinstance(engine, TensorrtEngine):  # every address, logits included, is TensorRT's to check
-            engine.context = _RecordingContext(engine.context, lambda name, device, ptr: self.addresses.append(
-                (name, int(ptr))))
-        else:
-            raise TypeError(f"not a GPU engine: {type(engine).__name__}")
-
-    def summary(self) -> dict[str, Any]:
-        from ..engines.device import ALIGNMENT
-
-        bad = [(name, hex(ptr)) for name, ptr in self.addresses if ptr % ALIGNMENT]
-        return {"bound": len(self.addresses), "misaligned": len(bad), "first_misaligned": bad[:5],
-                "alignment": ALIGNMENT}
 
 
 # --------------------------------------------------------------------------- generation and timing
@@ -230,69 +79,8 @@ def median_forward_s(engine, n: int, repeats: int = 30) -> float:
     """Median wall time of an n-token forward after PROMPT_IDS, rewound each time (fixed past)."""
     kv = engine.new_cache()
     engine.forward(np.asarray(PROMPT_IDS, np.int64), kv)
-    ids = np.asarray(PROMPT_IDS[:n], np.int64)
-    times = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        engine.forward(ids, kv, num_logits=n)
-        times.append(time.perf_counter() - start)
-        kv.rewind(n)
-    return float(np.median(times[3:]))  # the first calls pay lazy allocations and kernel selection
-
-
-def device_bandwidth(device_id: int = 0, mib: int = 256, runs: int = 10) -> float:
-    """Device memory bandwidth in bytes/s: copies that read and write ``mib`` MiB each.
-
-    Through cuda-python when installed (a device-to-device memcpy), else an ORT CUDA
-    session computing ``x + 0`` on device-bound buffers.
-    """
-    from ..engines.device import cuda_call, import_cudart
-    from ..errors import BackendUnavailableError
-
-    nbytes = mib * 2**20
-    try:
-        cudart = import_cudart()
-    except BackendUnavailableError:
-        cudart = None
-    if cudart is not None:
-        src, dst = (cuda_call(cudart.cudaMalloc(nbytes), "cudaMalloc") for _ in range(2))
-        kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-
-        def copy():
-            cuda_call(cudart.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
-            cuda_call(cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-    else:
-        import onnxruntime as ort
-
-        n = nbytes // 4
-        session = ort.InferenceSession(_add_zero_graph(n), providers=[("CUDAExecutionProvider",
-                                                                      {"device_id": str(device_id)})])
-        binding = session.io_binding()
-        binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_shape_and_type([n], np.float32, "cuda", device_id))
-        binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type([n], np.float32, "cuda",
-                                                                                    device_id))
-
-        def copy():
-            session.run_with_iobinding(binding)
-    copy()  # warm-up: allocation, kernel selection
-    start = time.perf_counter()
-    for _ in range(runs):
-        copy()
-    elapsed = time.perf_counter() - start
-    if cudart is not None:
-        cudart.cudaFree(src)
-        cudart.cudaFree(dst)
-    return 2 * nbytes * runs / elapsed  # each copy reads and writes every byte
-
-
-def _add_zero_graph(n: int) -> bytes:
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph([helper.make_node("Add", ["x", "zero"], ["y"])], "copy",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])],
-                              [helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    # 3 untimed calls first: they pay lazy allocations and kernel selection.
+    return median_forward(engine, kv, np.asarray(PROMPT_IDS[:n], np.int64), repeats=repeats, warmup=3)
 
 
 def weight_bytes(bundle: Path, role: str = "target") -> int:

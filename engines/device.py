@@ -97,6 +97,28 @@ class CacheBlock:
         return (2 * layer + 1) * self.segment_bytes + position * self.row_bytes
 
 
+class BlockAddresses:
+    """The device addresses of a KV cache held as one :class:`CacheBlock` allocation at ``base``
+    (the ORT CUDA cache and the TensorRT one): each layer's K and V segment (``keys``, ``values``)
+    and the address of a position in it."""
+
+    block: CacheBlock
+    base: int
+
+    def place(self, base: int) -> None:
+        """Record the allocation's address; ``block`` must be set."""
+        self.base = base
+        self.keys = [self.key_ptr(i) for i in range(self.block.n_layers)]
+        self.values = [self.value_ptr(i) for i in range(self.block.n_layers)]
+
+    def key_ptr(self, layer: int, position: int = 0) -> int:
+        """Address of ``position`` (position-major; head-major segments are bound whole, at position 0)."""
+        return self.base + self.block.key_offset(layer, position)
+
+    def value_ptr(self, layer: int, position: int = 0) -> int:
+        return self.base + self.block.value_offset(layer, position)
+
+
 class RowCopier(Protocol):
     """One strided copy: ``height`` rows of ``width`` bytes, row i from ``src + i*spitch`` to ``dst + i*dpitch``."""
 

@@ -47,7 +47,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError
 from ..manifest import ModelEntry, resolve_inside
 from .base import EngineOptions, KVCache, check_finite_logits
-from .device import ALIGNMENT, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
+from .device import ALIGNMENT, BlockAddresses, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
 from .ort import OrtEngine, check_provider
 from .providers import preload_tensorrt_libs
 from .tensorrt import (ORT_TRT_EP_TENSORRT_MAJOR, REBUILD_HINT, EngineRecord, bundle_engine_record, check_engine_compatible,
@@ -80,7 +80,7 @@ class DeviceBuffer:
         return raw[skip:skip + self.nbytes]
 
 
-class DeviceKVCache(KVCache):
+class DeviceKVCache(BlockAddresses, KVCache):
     """KVCache interface over one aligned device block (see :class:`specedge.engines.device.CacheBlock`).
 
     ``keys[i]`` / ``values[i]``: the device address (int) of layer i's K / V segment on
@@ -104,16 +104,7 @@ class DeviceKVCache(KVCache):
         self.length = 0
         self.block = CacheBlock(n_layers, self.row_bytes, capacity)
         self.buffer = DeviceBuffer(self.block.nbytes, device, device_id)
-        self.base = self.buffer.ptr
-        self.keys = [self.base + self.block.key_offset(i) for i in range(n_layers)]
-        self.values = [self.base + self.block.value_offset(i) for i in range(n_layers)]
-
-    def key_ptr(self, layer: int, position: int = 0) -> int:
-        """Address of ``position`` (position-major; head-major segments are bound whole, at position 0)."""
-        return self.base + self.block.key_offset(layer, position)
-
-    def value_ptr(self, layer: int, position: int = 0) -> int:
-        return self.base + self.block.value_offset(layer, position)
+        self.place(self.buffer.ptr)
 
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of one layer's committed K and V (copies the whole block; tests only)."""

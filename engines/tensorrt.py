@@ -36,7 +36,7 @@ from ..bundle_extra import EngineRecord, Profile, ShapeRange
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ModelLoadError
 from ..manifest import ModelEntry, ModelIO, load_manifest, resolve_inside, sha256_file
 from .base import EngineOptions, KVCache
-from .device import ALIGNMENT, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
+from .device import ALIGNMENT, BlockAddresses, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
 
 REBUILD_HINT = "rebuild with `specedge export --engine tensorrt`"
 # specedge graphs take int64 ids/positions; TensorRT accepts int64 network inputs from 10.0.
@@ -291,7 +291,7 @@ def bundle_engine_record(entry: ModelEntry, graph: Path) -> tuple[Path, str, Eng
 # --------------------------------------------------------------------------- native engine
 
 
-class CudaKVCache(KVCache):
+class CudaKVCache(BlockAddresses, KVCache):
     """KVCache interface over one ``cudaMalloc`` block, ``[capacity, n_kv_heads, head_dim]`` per layer and K/V.
 
     ``keys[i]`` / ``values[i]`` are device pointers (int), each 256-byte aligned (the
@@ -309,15 +309,7 @@ class CudaKVCache(KVCache):
         self.capacity = capacity
         self.length = 0
         self.block = CacheBlock(n_layers, self.row_bytes, capacity)
-        self.base = int(cuda_call(cudart.cudaMalloc(self.block.nbytes), "cudaMalloc(KV cache)"))
-        self.keys = [self.base + self.block.key_offset(i) for i in range(n_layers)]
-        self.values = [self.base + self.block.value_offset(i) for i in range(n_layers)]
-
-    def key_ptr(self, layer: int, position: int = 0) -> int:
-        return self.base + self.block.key_offset(layer, position)
-
-    def value_ptr(self, layer: int, position: int = 0) -> int:
-        return self.base + self.block.value_offset(layer, position)
+        self.place(int(cuda_call(cudart.cudaMalloc(self.block.nbytes), "cudaMalloc(KV cache)")))
 
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the committed ``[:length]`` K and V of one layer (for tests and debugging)."""

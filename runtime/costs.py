@@ -145,13 +145,16 @@ class CostModel:
         t_target = self.target_cost(k + 1)
         return None if t_target is None else t_target + self.draft_cost(k)
 
-    def catchup_cost(self, catchup_tokens: int) -> float:
-        """Seconds to feed ``catchup_tokens`` of unseen history to the draft (0 for the usual feed)."""
+    def catchup_cost(self, catchup_tokens: int, draft_token_s: float | None = None) -> float:
+        """Seconds to feed ``catchup_tokens`` of unseen history to the draft (0 for the usual feed).
+        Unmeasured, a catch-up token costs a share of a draft step: ``draft_token_s`` when given (a
+        caller's prior for an unmeasured draft), else the measured one (0 when none was)."""
         if catchup_tokens <= self.USUAL_FEED:
             return 0.0
         per_token = self.draft_catchup_token_s
         if per_token is None:
-            per_token = (self.draft_token_s or 0.0) * self.PRIOR_CATCHUP_SHARE
+            step = self.draft_token_s if draft_token_s is None else draft_token_s
+            per_token = (step or 0.0) * self.PRIOR_CATCHUP_SHARE
         return catchup_tokens * per_token
 
     def loss_if_rejected(self, k: int, catchup_tokens: int = 0, *, lookup: bool = False) -> float | None:
@@ -169,10 +172,7 @@ class CostModel:
         if lookup or k == 0:
             return t_step - t_plain
         per_token = self.draft_token_s if self.draft_token_s is not None else t_plain
-        per_catchup = self.draft_catchup_token_s if self.draft_catchup_token_s is not None else \
-            per_token * self.PRIOR_CATCHUP_SHARE
-        catchup = catchup_tokens * per_catchup if catchup_tokens > self.USUAL_FEED else 0.0
-        return catchup + k * per_token + t_step - t_plain
+        return self.catchup_cost(catchup_tokens, per_token) + k * per_token + t_step - t_plain
 
     def lookup_view(self) -> "CostModel":
         """This model as a lookup step sees it: the same target costs (the dict is shared, not
