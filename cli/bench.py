@@ -331,7 +331,7 @@ def _preemptive(bundle, conversation_file, turns, max_new_tokens, threads, attem
     from ..bench.conversation import load_conversation
     from ..bench.preemptive import CONFIGS, CancelPlan, LocalServer, format_report, run_preemptive
     from ..runtime.generator import Generator
-    from ..server.limits import DEFAULT_CACHE_SLOTS
+    from ..runtime.options import DEFAULT_CACHE_SLOTS
 
     try:
         low, high = (float(x) / 1e3 for x in cancel_after_ms.split("-"))
