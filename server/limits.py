@@ -21,5 +21,5 @@ CACHE_SHARING = {
     "none": "no request reuses another's cached prefix (every prompt is prefilled in full, and the suffix "
             "drafter's reply memory is off)",
 }
-# The default lets no client learn another's prompt from reused_tokens or timing (README: cache sharing).
+# The default lets no client learn another's prompt from reused_tokens or timing (docs/SERVER.md: cache sharing and privacy).
 DEFAULT_CACHE_SHARING = "key"
