@@ -152,7 +152,7 @@ class _ModelExporter:
             spec = replace(spec, n_layers=layers)  # the builder reads layers 0..layers-1 only
         if head_ids is not None:
             lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"].T
-            weights = {**weights, "lm_head": np.ascontiguousarray(lm_head[:, head_ids])}
+            weights = weights | {"lm_head": np.ascontiguousarray(lm_head[:, head_ids])}
             spec = replace(spec, vocab_size=len(head_ids), tied_embeddings=False)
         return spec, weights
 
@@ -189,9 +189,11 @@ class _ModelExporter:
         scratch = self.root / f".{role}-fp32-src"
         scratch.mkdir(exist_ok=True)
         src_graph = scratch / "model.onnx"
+        self.progress(f"{role}: writing the fp32 graph")
         src_files = build_decoder(spec, weights, src_graph, untie_lm_head=True, attention=self.attention,
                                   max_context=cfg.max_context, io=self.io)
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
+        self.progress(f"{role}: validating the fp32 graph against the source")
         self.reports[f"{role}:fp32-untied"] = validate_graph(
             self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
         bits = 4 if precision == "int4" else 8
@@ -208,9 +210,11 @@ class _ModelExporter:
             files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
                                              head_file)
         else:
+            self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size})")
             files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
                                                                  accuracy_level=cfg.accuracy_level))
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
+        self.progress(f"{role}: comparing {precision} with fp32")
         self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
         self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)

@@ -157,8 +157,8 @@ class _Builder:
     def const(self, name: str, array: np.ndarray) -> str:
         array = np.ascontiguousarray(array)
         tensor = TensorProto(name=name, data_type=_np_to_onnx(array.dtype), dims=array.shape)
-        raw = array.tobytes()
-        if self.data_path is not None and len(raw) > _EXTERNAL_THRESHOLD:
+        if self.data_path is not None and array.nbytes > _EXTERNAL_THRESHOLD:
+            raw = memoryview(array).cast("B")  # written from the array itself: no bytes copy of a large weight
             if self._data_file is None:
                 self._data_file = open(self.data_path, "wb")
             pad = (-self._offset) % _ALIGN
@@ -172,7 +172,7 @@ class _Builder:
                 entry.key, entry.value = key, value
             self._offset += len(raw)
         else:
-            tensor.raw_data = raw
+            tensor.raw_data = array.tobytes()
         self.inits.append(tensor)
         return name
 

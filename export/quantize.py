@@ -1,8 +1,7 @@
-"""Weight-only quantization to MatMulNBits through ONNX Runtime's own quantizer."""
+"""Weight-only quantization to MatMulNBits with ONNX Runtime's own quantizer routines."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,24 +31,13 @@ class QuantConfig:
 
 
 def quantize_graph(src: Path, dst: Path, config: QuantConfig = QuantConfig()) -> list[Path]:
-    """Rewrite every MatMul with a constant weight in ``src`` as MatMulNBits; write ``dst`` (+ .data)."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    """Rewrite every MatMul with a constant weight in ``src`` as MatMulNBits; write ``dst`` (+ .data).
 
-    # The quantizer logs one INFO line per node; users need the result, not the trace.
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
-    model = onnx.load(str(src))  # loads external data alongside
+    ONNX Runtime's quantizer rewrite, one weight at a time (export/rtn.py): the same graph as
+    ``MatMulNBitsQuantizer`` over the loaded model, in about one fp32 weight of memory.
+    """
+    from .rtn import quantize_streaming
+
     # ORT quantizes Gather to 4 bits only; 8-bit bundles keep fp32 embeddings.
-    ops = ("MatMul", "Gather") if config.quantize_embeddings and config.bits == 4 else ("MatMul",)
-    axes = (("MatMul", 0), ("Gather", 1))  # quantize along the reduction axis / the hidden axis
-    algo = DefaultWeightOnlyQuantConfig(block_size=config.block_size, is_symmetric=config.symmetric,
-                                        accuracy_level=config.accuracy_level, bits=config.bits,
-                                        op_types_to_quantize=ops, quant_axes=axes)
-    quantizer = MatMulNBitsQuantizer(model, bits=config.bits, block_size=config.block_size,
-                                     is_symmetric=config.symmetric, accuracy_level=config.accuracy_level,
-                                     algo_config=algo, op_types_to_quantize=ops, quant_axes=axes)
-    quantizer.process()
-    data = dst.with_name(dst.name + ".data")
-    onnx.save_model(quantizer.model.model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
-    return [dst] + ([data] if data.exists() else [])
+    return quantize_streaming(src, dst, bits=config.bits, block_size=config.block_size, symmetric=config.symmetric,
+                              accuracy_level=config.accuracy_level, quantize_embeddings=config.quantize_embeddings)

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from .families import FAMILIES
 from .features import ModelFeatures, read_features
 from .graph import DecoderSpec
+from .lazy_weights import Weights
 
 
-def extract(model: Any) -> tuple[DecoderSpec, dict[str, np.ndarray], ModelFeatures]:
+def extract(model: Any) -> tuple[DecoderSpec, Weights, ModelFeatures]:
     """Return the architecture spec, float32 weights and config features of an HF causal LM (torch).
+
+    The weights are a read-only Mapping whose fused entries are made on each read (export/lazy_weights.py).
 
     The config is checked field by field first (export/features.py): a feature the graph does
     not implement is refused by name before any weight is copied.
     """
     features = read_features(model.config)
     spec, weights = FAMILIES[features.model_type].extract(model, features)
-    return spec, weights, features
+    return spec, Weights(weights), features

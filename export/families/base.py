@@ -22,6 +22,7 @@ import numpy as np
 
 from ...errors import UnsupportedModelError
 from ..graph import DecoderSpec
+from ..lazy_weights import Lazy
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,8 @@ def linear(sd: Mapping, module: str, name: str, transpose: bool = True) -> dict[
 
 def fuse(sd: Mapping, modules: list[str], name: str) -> dict[str, np.ndarray]:
     """Linears that read the same input, concatenated along the output axis (one GEMM)."""
-    w = {name: np.concatenate([to_numpy(sd[f"{m}.weight"]).T for m in modules], axis=1)}
+    # A fused copy is made when the graph builder reads it (export/lazy_weights.py), not held all export long.
+    w = {name: Lazy(lambda: np.concatenate([to_numpy(sd[f"{m}.weight"]).T for m in modules], axis=1))}
     if all(f"{m}.bias" in sd for m in modules):
         w[f"{name}_bias"] = np.concatenate([to_numpy(sd[f"{m}.bias"]) for m in modules])
     return w

@@ -1,0 +1,227 @@
+"""Round-to-nearest weight-only quantization of a graph, one initializer at a time.
+
+ONNX Runtime's ``MatMulNBitsQuantizer`` takes a whole ``ModelProto``: the fp32 graph is read
+into memory (every weight, the size of the model in fp32), the quantized weights are added
+beside it, and ``onnx.save_model`` serialises them once more. This module produces the same
+graph with bounded memory: the graph is read without its external data, and each weight is
+read from the data file, quantized by the quantizer's own block routines
+(``DefaultWeightOnlyQuantizer.qbits_block_quant`` for MatMul, ``quantize_ndarray`` for the
+embedding's Gather, in row chunks), and written straight to the new data file before the next
+one is read. Peak memory is then about one fp32 weight plus its quantized form.
+
+The rewrite is the quantizer's own (QOperator format, axis 0 blocks for MatMul, axis 1 for
+Gather): the same initializer names (``W_Q4``, ``W_scales``), node names, attributes, opset
+(21, IR 10, when the embedding's Gather takes int4) and bytes, so a graph quantized here equals
+one quantized by ONNX Runtime tensor for tensor (tests/integration/test_streaming_quantize.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+_EXTERNAL_THRESHOLD = 1024  # tensors above this many bytes go to the data file (as export/graph.py)
+_ALIGN = 64  # data offsets SIMD-aligned, as export/graph.py writes them
+_GATHER_ROWS = 8192  # embedding rows quantized at once (8192 x 4096 fp32 = 128 MiB)
+_COPY_CHUNK = 64 << 20
+
+
+class _DataFile:
+    """Appends tensors to one external data file; returns TensorProtos that point into it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: BinaryIO = open(path, "wb")
+        self.offset = 0
+
+    def tensor(self, name: str, data_type: int, dims, raw: bytes | memoryview | np.ndarray):
+        from onnx import TensorProto
+
+        raw = memoryview(np.ascontiguousarray(raw)).cast("B") if isinstance(raw, np.ndarray) else memoryview(raw)
+        tensor = TensorProto(name=name, data_type=data_type, dims=list(dims))
+        if len(raw) <= _EXTERNAL_THRESHOLD:
+            tensor.raw_data = bytes(raw)
+            return tensor
+        pad = (-self.offset) % _ALIGN
+        self.file.write(b"\0" * pad)
+        self.offset += pad
+        self.file.write(raw)
+        _point(tensor, self.path.name, self.offset, len(raw))
+        self.offset += len(raw)
+        return tensor
+
+    def copy(self, tensor, src_dir: Path):
+        """``tensor`` (inline or external in ``src_dir``) re-homed into this file, copied in chunks."""
+        from onnx import TensorProto
+
+        if tensor.data_location != TensorProto.EXTERNAL:
+            return tensor
+        info = {e.key: e.value for e in tensor.external_data}
+        length, start = int(info["length"]), int(info.get("offset", 0))
+        out = TensorProto()
+        out.CopyFrom(tensor)
+        del out.external_data[:]
+        pad = (-self.offset) % _ALIGN
+        self.file.write(b"\0" * pad)
+        self.offset += pad
+        with open(src_dir / info["location"], "rb") as f:
+            f.seek(start)
+            left = length
+            while left:
+                block = f.read(min(left, _COPY_CHUNK))
+                if not block:
+                    raise OSError(f"external data of {tensor.name} ends early")
+                self.file.write(block)
+                left -= len(block)
+        _point(out, self.path.name, self.offset, length)
+        self.offset += length
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _point(tensor, location: str, offset: int, length: int) -> None:
+    from onnx import TensorProto
+
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _read(tensor, src_dir: Path, rows: slice | None = None) -> np.ndarray:
+    """A float initializer as a numpy array, read from its external file (only ``rows`` of it, if given)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if tensor.data_location != TensorProto.EXTERNAL:
+        array = numpy_helper.to_array(tensor)
+        return array if rows is None else array[rows]
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    info = {e.key: e.value for e in tensor.external_data}
+    dims = tuple(tensor.dims)
+    row = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+    start, stop = (0, dims[0]) if rows is None else (rows.start, min(rows.stop, dims[0]))
+    offset = int(info.get("offset", 0)) + start * row * dtype.itemsize
+    array = np.fromfile(src_dir / info["location"], dtype=dtype, count=(stop - start) * row, offset=offset)
+    return array.reshape((stop - start, *dims[1:]))
+
+
+def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
+                       quantize_embeddings: bool) -> list[Path]:
+    """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
+
+    MatMul nodes with a constant 2-D weight become MatMulNBits at ``bits``; with ``quantize_embeddings``
+    and 4 bits, a Gather over a constant table becomes GatherBlockQuantized (ORT quantizes Gather at 4 bits
+    only). Everything else is copied unchanged.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    gather = quantize_embeddings and bits == 4
+    ops = ("MatMul", "Gather") if gather else ("MatMul",)
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                          accuracy_level=accuracy_level, bits=bits, op_types_to_quantize=ops,
+                                          quant_axes=(("MatMul", 0), ("Gather", 1)))
+    quantizer = DefaultWeightOnlyQuantizer(config)
+    model = onnx.load(str(src), load_external_data=False)
+    graph = model.graph
+    src_dir = src.parent
+    inits = {t.name: t for t in graph.initializer}
+    data_path = dst.with_name(dst.name + ".data")
+    out = _DataFile(data_path)
+    new_inits: dict[str, TensorProto] = {}
+    new_nodes = []
+    try:
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+                weight = inits[node.input[1]]
+                b = _read(weight, src_dir)
+                rows, cols = b.shape
+                packed, scales, zero_points = quantizer.qbits_block_quant(b)
+                del b
+                q = out.tensor(f"{weight.name}_Q{bits}", TensorProto.UINT8, packed.shape, packed)
+                s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, scales.shape, scales)
+                inputs = [node.input[0], q.name, s.name]
+                new_inits.update({q.name: q, s.name: s})
+                if not symmetric:
+                    zp = numpy_helper.from_array(zero_points, f"{weight.name}_zero_points")
+                    zp = out.tensor(zp.name, zp.data_type, zp.dims, zero_points)
+                    inputs.append(zp.name)
+                    new_inits[zp.name] = zp
+                attrs = dict(K=rows, N=cols, bits=bits, block_size=block_size)
+                if accuracy_level:
+                    attrs["accuracy_level"] = accuracy_level
+                new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
+                                                  name=f"{node.name}_Q{bits}" if node.name else "",
+                                                  domain="com.microsoft", **attrs))
+            elif gather and node.op_type == "Gather" and node.input[0] in inits:
+                table = inits[node.input[0]]
+                new_nodes.append(_quantize_gather(node, table, src_dir, out, new_inits, block_size, symmetric))
+            else:
+                new_nodes.append(node)
+        used = {name for n in new_nodes for name in n.input}
+        kept = [out.copy(t, src_dir) if t.name not in new_inits else t for t in graph.initializer if t.name in used]
+        kept += [t for name, t in new_inits.items() if name in used]
+    finally:
+        out.close()
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if gather:  # int4 tensors need opset 21 and IR 10, as ORT's quantizer sets them
+        for opset in model.opset_import:
+            if opset.domain in ("", "ai.onnx") and opset.version < 21:
+                opset.version = 21
+        model.ir_version = max(model.ir_version, 10)
+    onnx.save_model(model, str(dst))
+    if data_path.stat().st_size == 0:
+        os.unlink(data_path)
+    return [dst] + ([data_path] if data_path.exists() else [])
+
+
+def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict, block_size: int, symmetric: bool):
+    """GatherBlockQuantized over ``table`` quantized along its last axis, in row chunks (rows are independent)."""
+    from onnx import TensorProto, helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
+
+    dims = tuple(table.dims)
+    if len(dims) != 2 or dims[1] % 2:
+        raise ValueError(f"{table.name}: the streaming quantizer takes a 2-D table of even width; got {dims}")
+    qname, sname = f"{table.name}_Q4", f"{table.name}_scales"
+    # Quantized rows go to the data file as they are made; the scales (1/block of the table) are
+    # collected and written after.
+    pad = (-out.offset) % _ALIGN
+    out.file.write(b"\0" * pad)
+    out.offset += pad
+    q_start, scales, zero_points = out.offset, [], []
+    for start in range(0, dims[0], _GATHER_ROWS):
+        chunk = _read(table, src_dir, slice(start, start + _GATHER_ROWS))
+        q, s, zp = DefaultWeightOnlyQuantizer.quantize_ndarray(chunk, 1, block_size, symmetric)
+        out.file.write(q.tobytes())
+        out.offset += q.nbytes
+        scales.append(s)
+        if zp is not None:
+            zero_points.append(zp)
+    q = TensorProto(name=qname, data_type=TensorProto.INT4 if symmetric else TensorProto.UINT4, dims=list(dims))
+    _point(q, out.path.name, q_start, out.offset - q_start)
+    all_scales = np.concatenate(scales)
+    s = out.tensor(sname, TensorProto.FLOAT, all_scales.shape, all_scales)
+    inputs = [qname, node.input[1], sname]
+    new_inits.update({qname: q, sname: s})
+    if not symmetric:
+        zp_bytes = b"".join(z.tobytes() for z in zero_points)
+        zp = out.tensor(f"{table.name}_zero_points", TensorProto.UINT4, all_scales.shape, zp_bytes)
+        inputs.append(zp.name)
+        new_inits[zp.name] = zp
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
+                            name=f"{node.name}_Q4" if node.name else "", domain="com.microsoft",
+                            gather_axis=axis, quantize_axis=1, block_size=block_size)
