@@ -96,4 +96,10 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
         assert len(final.attempts) == 3 and all(a.ran for a in final.attempts)  # cancelled while streaming
         assert rows["cold", turn].reused_tokens == 0
         # The final request reuses what its last attempt shared with it (at least the single request's reuse).
-        assert final.reused_tokens >= rows["single", turn].reused_tokens and final.reused_tokens > 0
+        # Whether a reference-engine attempt is still running when the server sees the disconnect is a
+        # race (it may have finished its 12 tokens): the first turn's reuse depends on it, a later turn's
+        # does not (it continues the held conversation either way). The in-process tests above pin the
+        # cancelled case deterministically.
+        assert final.reused_tokens >= rows["single", turn].reused_tokens
+        assert turn == 0 or final.reused_tokens > 0
+
