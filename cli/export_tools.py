@@ -18,7 +18,8 @@ from ..export.fixture import SHAPES
 @click.option("--shape", required=True, type=click.Choice(sorted(SHAPES)), help="The released model whose shape "
               "(config.json numbers) the random-weight checkpoint has.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The HF folder to write (must not exist).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**31 - 1))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**31 - 1),
+              help="Seed of the random weights (the same seed writes the same checkpoint).")
 @click.option("--vocab-size", type=click.IntRange(258, 1 << 20), default=None,
               help="Override the shape's vocabulary size (a smaller embedding for a quick run).")
 def export_fixture(shape: str, out: Path, seed: int, vocab_size: int | None) -> None:
