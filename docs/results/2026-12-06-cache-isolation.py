@@ -2,9 +2,9 @@
 
 Usage (a bundle with a chat template; without one, the tiny test bundle is built, which needs torch):
 
-    python docs/results/2026-12-05-cache-isolation.py reuse [--bundle DIR] [--callers 1 3 8] [--turns 4]
+    python docs/results/2026-12-06-cache-isolation.py reuse [--bundle DIR] [--callers 1 3 8] [--turns 4]
     (--bundle DIR that does not exist: the tiny bundle is built and kept there)
-    python docs/results/2026-12-05-cache-isolation.py disclosure [--bundle DIR]
+    python docs/results/2026-12-06-cache-isolation.py disclosure [--bundle DIR]
 
 ``reuse``: N callers (cache_slots = N) share one 40-word system prompt and talk round robin, each
 turn sending its whole history. Reported: reused tokens / prompt tokens per turn, over all turns
