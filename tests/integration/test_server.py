@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ for _module in ("starlette", "uvicorn", "openai", "httpx", "torch", "transformer
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
+from live_server import LoopbackServer  # noqa: E402
 
 from specedge.runtime.generator import Generator  # noqa: E402
 from specedge.server.app import create_app  # noqa: E402
@@ -74,21 +74,14 @@ def gen(tmp_path_factory) -> Generator:
     return Generator.from_bundle(_build_bundle(tmp_path_factory.mktemp("server")))
 
 
-class Served:
-    """A uvicorn server on a free loopback port, run on a background thread."""
+class Served(LoopbackServer):
+    """A plain uvicorn server for ``app`` (tests/live_server.py)."""
+
+    JOIN_S = 15.0
 
     def __init__(self, app) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken before uvicorn starts
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        super().__init__(uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                       timeout_graceful_shutdown=2)))
 
     def client(self, key: str | None = API_KEY, **kw) -> openai.OpenAI:
         # max_retries=0: a 429 or 5xx must reach the test, not be retried away.
@@ -105,18 +98,7 @@ class Served:
         return httpx.get(self.url + "/health", headers=headers, timeout=10).json()
 
     def wait_for(self, predicate, timeout: float = 5.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.health()
-            if predicate(state):
-                return state
-            assert time.monotonic() < deadline, f"server never reached the expected state: {state}"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
+        return super().wait_for(predicate, timeout)
 
 
 @pytest.fixture(scope="module")

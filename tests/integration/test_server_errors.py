@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import pytest
@@ -31,6 +30,7 @@ for _module in ("starlette", "uvicorn", "httpx"):
 
 import httpx  # noqa: E402
 
+from live_server import LoopbackServer  # noqa: E402
 from reference_engine import reference_generator  # noqa: E402
 from specedge.server.app import create_app  # noqa: E402
 from specedge.server.serving import SpecedgeServer, server_config  # noqa: E402
@@ -47,31 +47,21 @@ ROUTES = {  # name: (path, body)
 TIMEOUT_S = 20  # every answer here comes in well under a second; a hang fails the test instead
 
 
-class Served:
+class Served(LoopbackServer):
     """``create_app`` under ``SpecedgeServer`` with ``server_config``'s limits, on a free loopback port."""
 
     def __init__(self, gen, **config_kw) -> None:
         self.app = create_app(gen, warmup=False)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = SpecedgeServer(server_config(self.app, log_level="critical", **config_kw))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        super().__init__(SpecedgeServer(server_config(self.app, log_level="critical", **config_kw)))
 
-    def health(self) -> httpx.Response:
+    def health_response(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=TIMEOUT_S)
 
     def settled(self, failed: int) -> dict:
         """/health once the worker has counted ``failed`` failures and holds nothing (prefills finish after 202)."""
         deadline = time.monotonic() + TIMEOUT_S
         while True:
-            response = self.health()
+            response = self.health_response()
             assert response.status_code == 200, response.text
             state = response.json()
             if state["failed"] == failed and not state["busy"] and not state["waiting"] and \
@@ -79,11 +69,6 @@ class Served:
                 return state
             assert time.monotonic() < deadline, f"the worker never settled: {state}"
             time.sleep(0.01)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +116,7 @@ def _assert_served_normally(served: Served, route: str) -> None:
 @pytest.mark.parametrize("exc", [StopIteration(), RuntimeError("injected")], ids=["StopIteration", "RuntimeError"])
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_a_failure_while_parsing_is_a_500_with_a_json_body(served, gen, monkeypatch, route, exc):
-    before = served.settled(served.health().json()["failed"])
+    before = served.settled(served.health_response().json()["failed"])
     monkeypatch.setattr(gen, "encode_prompt", _raiser(exc))
     response = _post(served, route)  # StopIteration here used to leave the request hanging for ever
     assert response.status_code == 500, response.text
@@ -147,7 +132,7 @@ def test_a_failure_while_parsing_is_a_500_with_a_json_body(served, gen, monkeypa
                          ids=["StopIteration", "SystemExit", "KeyboardInterrupt"])
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_a_failure_in_the_worker_is_answered_and_the_worker_serves_on(served, gen, monkeypatch, route, exc):
-    before = served.settled(served.health().json()["failed"])
+    before = served.settled(served.health_response().json()["failed"])
     monkeypatch.setattr(gen, "prefill" if route == "prefill" else "stream", _raiser(exc))
     response = _post(served, route)  # a BaseException used to end the worker thread: every later request hung
     if route == "prefill":
@@ -174,7 +159,7 @@ def test_past_the_connection_limit_the_503_is_the_json_error_body(gen):
         for _ in range(2):  # two open connections that send nothing: the limit is reached
             idle.append(socket.create_connection(("127.0.0.1", s.port)))
         deadline = time.monotonic() + TIMEOUT_S
-        while (response := s.health()).status_code != 503:  # until the server has accepted both
+        while (response := s.health_response()).status_code != 503:  # until the server has accepted both
             assert time.monotonic() < deadline, "the connection limit never applied"
             time.sleep(0.01)
         assert response.headers["content-type"] == "application/json"
@@ -185,7 +170,7 @@ def test_past_the_connection_limit_the_503_is_the_json_error_body(gen):
         for sock in idle:
             sock.close()
         idle.clear()
-        while (response := s.health()).status_code != 200:  # the closed connections are let go
+        while (response := s.health_response()).status_code != 200:  # the closed connections are let go
             assert time.monotonic() < deadline, "the server never let the closed connections go"
             time.sleep(0.01)
         assert response.json()["status"] == "ok"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -35,46 +34,26 @@ from specedge.manifest import file_record  # noqa: E402
 from specedge.runtime.generator import Generator  # noqa: E402
 from specedge.server.app import create_app  # noqa: E402
 from specedge.server.serving import SpecedgeServer, server_config  # noqa: E402
+from live_server import LoopbackServer  # noqa: E402
 from test_chat_templates import PWNED, chatml_bundle  # noqa: E402
 from test_server import LONG_TOKENS, _build_bundle, slowed  # noqa: E402
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
-class Serving:
+class Serving(LoopbackServer):
     """create_app + SpecedgeServer (the limits and drain of `specedge serve`) on a free loopback port."""
 
     def __init__(self, gen: Generator, *, grace_s: float = 5.0, head_timeout_s: float | None = None, **app_kw):
         self.app = create_app(gen, warmup=False, **app_kw)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         config = server_config(self.app, log_level="warning", grace_s=grace_s, head_timeout_s=head_timeout_s)
-        self.server = SpecedgeServer(config, grace_s=grace_s)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        super().__init__(SpecedgeServer(config, grace_s=grace_s))
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
 
-    def wait_for(self, predicate, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.health()
-            if predicate(state):
-                return state
-            assert time.monotonic() < deadline, f"server never reached the expected state: {state}"
-            time.sleep(0.01)
-
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
+        super().close()
         assert not self.thread.is_alive(), "the server did not stop"
 
 
