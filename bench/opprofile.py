@@ -97,7 +97,7 @@ class _Ours:
     def __init__(self, label: str, bundle: Path, threads: int, capacity: int, prefix: str | None,
                  role: str = "target", allow_spinning: bool = True) -> None:
         from ..engines import EngineOptions, create_engine
-        from ..manifest import load_manifest
+        from ..bundle.manifest import load_manifest
 
         manifest = load_manifest(bundle, verify_checksums=False)
         entry = manifest.models()[role]
@@ -275,7 +275,7 @@ def machine() -> dict:
     """The CPU as the cost profile records it, the load average, and the ORT version."""
     import onnxruntime as ort
 
-    from ..bundle_extra import MachineFingerprint
+    from ..bundle.extra import MachineFingerprint
 
     info = MachineFingerprint.here(0).to_dict()
     flags = ""
@@ -411,7 +411,7 @@ def render_paired(result: dict, threads: int, reps: int) -> str:
 def _vocab_size(path: Path) -> int:
     if graph_kind(path) == "genai":
         return int(json.loads((Path(path) / "genai_config.json").read_text(encoding="utf-8"))["model"]["vocab_size"])
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
 
     return load_manifest(path, verify_checksums=False).target.vocab_size
 
@@ -420,7 +420,7 @@ def _graph_file(path: Path, kind: str) -> Path:
     if kind == "genai":
         config = json.loads((Path(path) / "genai_config.json").read_text(encoding="utf-8"))
         return Path(path) / config["model"]["decoder"]["filename"]
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
 
     return Path(path) / load_manifest(path, verify_checksums=False).target.graph
 

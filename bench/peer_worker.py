@@ -44,7 +44,7 @@ def main() -> int:
         channel.write(json.dumps(obj) + "\n")
         channel.flush()
 
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from .peers import SETUPS, PeerContext, PeerSkipped
 
     first = sys.stdin.readline()

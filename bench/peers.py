@@ -98,7 +98,7 @@ class PeerContext:
 
     threads: int
     peer_options: dict
-    manifest: object  # specedge.manifest.Manifest
+    manifest: object  # specedge.bundle.manifest.Manifest
 
 
 class PeerCrashed(Exception):

@@ -64,7 +64,7 @@ def ours(bundle: Path, threads: int, max_len: int) -> PrefillRunner:
 def genai(bundle: Path, threads: int, max_len: int, log) -> PrefillRunner:
     import onnxruntime_genai as og
 
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from .peers import PeerSkipped, build_genai_model, hf_folder, set_genai_threads
 
     manifest = load_manifest(bundle, verify_checksums=False)
@@ -91,7 +91,7 @@ def genai(bundle: Path, threads: int, max_len: int, log) -> PrefillRunner:
 def llamacpp(bundle: Path, threads: int, max_len: int) -> PrefillRunner:
     import llama_cpp
 
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from .peers import PeerSkipped, gguf_file
 
     manifest = load_manifest(bundle, verify_checksums=False)

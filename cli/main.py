@@ -17,13 +17,13 @@ import click
 
 from .. import __version__
 from ..errors import SpecedgeError
-from ..bundle_extra import ROUTES
+from ..bundle.extra import ROUTES
 from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
-from ..manifest import ATTENTIONS, PRECISIONS
+from ..bundle.manifest import ATTENTIONS, PRECISIONS
 from .options import Local, config_from, generation_options, load_from, load_options, shared_option
 
 if TYPE_CHECKING:
-    from ..bundle_extra import CostProfile
+    from ..bundle.extra import CostProfile
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "smollm2"  # the model id the README's client snippets send; the demo's serve command sets it
@@ -319,7 +319,7 @@ def generate(bundle: Path, prompt: str, stream: bool, stats: bool, as_json: bool
 def info(bundle: Path, as_json: bool, **kw) -> None:
     """Validate a bundle and describe its models, tokenizer, speculation defaults and what a
     conversation cache slot costs."""
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from ..runtime.slots import SlotCost
 
     load = load_from(kw)
@@ -364,7 +364,7 @@ def _mb(n: int) -> str:
 
 def _tuning_line(extra) -> str:
     """Where the bundle's step costs were measured (``extra`` a ManifestExtra), and whether they apply here."""
-    from ..bundle_extra import MachineFingerprint
+    from ..bundle.extra import MachineFingerprint
 
     recorded = extra.cost_profile
     if recorded is None:
@@ -392,7 +392,7 @@ def _quality_line(record) -> str:
 
 def _quant_tuning_line(tuning) -> str:
     """What ``export --tune`` chose for one model (``tuning`` a QuantTuning), and whether it was chosen here."""
-    from ..bundle_extra import MachineFingerprint
+    from ..bundle.extra import MachineFingerprint
 
     chosen, default = tuning.candidate(tuning.chosen), min(tuning.candidates, key=lambda c: c.block_size)
     taken = tuning.machine

@@ -84,7 +84,7 @@ def median_forward_s(engine, n: int, repeats: int = 30) -> float:
 
 
 def weight_bytes(bundle: Path, role: str = "target") -> int:
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
 
     entry = load_manifest(bundle, verify_checksums=False).models()[role]
     return sum((bundle / rel).stat().st_size for rel in (entry.graph, *entry.data_files))
@@ -109,7 +109,7 @@ def _route_cpu_mode(bundle: Path, reference: dict, bandwidth: float | None) -> d
     """The device-cache engine's binding, staging and copy code, on host memory (what CI runs)."""
     from ..engines.base import EngineOptions
     from ..engines.ort_cuda import OrtCudaEngine
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from ..runtime.generator import Generator
 
     ref = Generator.from_bundle(bundle, provider="cpu", threads=1)
@@ -133,7 +133,7 @@ def _route_cpu_mode(bundle: Path, reference: dict, bandwidth: float | None) -> d
 def _fixed_address_steps(bundle: Path, options, cuda_graph: bool) -> dict[str, Any]:
     """Greedy speculation on StaticStep bindings (one per token count) against the same bundle's plain decoding."""
     from ..engines.ort_cuda import OrtCudaEngine, own_stream
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from ..runtime.generator import Generator
 
     reference = Generator.from_bundle(bundle, engine_options=options) if options.provider != "cpu" else \
@@ -160,7 +160,7 @@ def _log(manifest) -> AddressLog:
 
 def _route_gpu(route: str, bundle: Path, reference: dict, bandwidth: float | None, device_id: int,
                work: Path) -> dict[str, Any]:
-    from ..manifest import load_manifest
+    from ..bundle.manifest import load_manifest
     from ..runtime.generator import Generator
 
     if route in ("ort-trt", "native"):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import BackendUnavailableError
-from ..manifest import ModelEntry
+from ..bundle.manifest import ModelEntry
 from .base import Engine, EngineOptions, KVCache
 
 

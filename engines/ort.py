@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidParameterError, ModelLoadError
-from ..manifest import ModelEntry
+from ..bundle.manifest import ModelEntry
 from .base import EngineOptions, KVCache, check_finite_logits
 
 _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError
-from ..manifest import ModelEntry, resolve_inside
+from ..bundle.manifest import ModelEntry, resolve_inside
 from .base import EngineOptions, KVCache, check_finite_logits
 from .device import ALIGNMENT, BlockAddresses, CacheBlock, CudartCopier, HostCopier, NewRows, RowCopier, align_up, is_aligned
 from .ort import OrtEngine, check_provider

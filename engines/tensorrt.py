@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..bundle_extra import EngineRecord, Profile, ShapeRange
+from ..bundle.extra import EngineRecord, Profile, ShapeRange
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ModelLoadError
-from ..manifest import ModelEntry, ModelIO, load_manifest, resolve_inside, sha256_file
+from ..bundle.manifest import ModelEntry, ModelIO, load_manifest, resolve_inside, sha256_file
 from .base import EngineOptions, KVCache
 from .device import ALIGNMENT, BlockAddresses, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
 

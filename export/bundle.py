@@ -20,9 +20,9 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
-from ..bundle_extra import ComparisonRecord, KeptTensor, ManifestExtra, QuantTuning, ValidationRecord
+from ..bundle.extra import ComparisonRecord, KeptTensor, ManifestExtra, QuantTuning, ValidationRecord
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
-from ..manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
+from ..bundle.manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
 from ..runtime.drafters import DEFAULT_DRAFTER
 from ..runtime.loading import load_codec

@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Callable, Union
 
 from ..errors import ChecksumError, FetchError
-from ..manifest import sha256_file
+from ..bundle.manifest import sha256_file
 from .catalog import CatalogModel, get_model
 from .leftovers import is_stale, pid_after
 

@@ -49,7 +49,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..bundle_extra import KeptTensor
+from ..bundle.extra import KeptTensor
 
 QK_K = 256  # elements per K-quant super-block
 

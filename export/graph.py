@@ -14,7 +14,7 @@ The same graph serves prefill (n = prompt length), a decode step (n = 1) and a
 speculative verify (n = k + 1).
 
 IO (batch is always 1; n new tokens, P cached positions, T = P + n). Every tensor name is the
-:class:`~specedge.manifest.ModelIO` field given here (``io.input_ids``, ...; the defaults in
+:class:`~specedge.bundle.manifest.ModelIO` field given here (``io.input_ids``, ...; the defaults in
 brackets), the same object the manifest records, so the engines bind what the graph declares::
 
     input_ids      [input_ids]            int64 [1, n]
@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..manifest import ModelIO
+from ..bundle.manifest import ModelIO
 
 OPSET = 18  # ReduceMean takes axes as an input from 18 on, as ORT's int4 quantizer (opset 21) expects
 _ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ExportError
-from ..pathcheck import name_problem
+from ..bundle.pathcheck import name_problem
 
 # Kernel pseudo-file systems: their folders refuse new files (proc, sysfs) or hold device nodes and
 # kernel state in memory (devtmpfs, cgroup...); a bundle never belongs there, even where root may write.

@@ -19,7 +19,7 @@ Two routes build an engine (``build_engines_for_bundle``, called by
 The functions that compute shapes, option strings, keys and paths are pure and
 tested on CPU. The builders need a GPU and are not verified on hardware here.
 What a bundle records about each engine is an :class:`EngineRecord` under
-manifest ``extra["engines"][role]`` (defined in bundle_extra.py, which
+manifest ``extra["engines"][role]`` (defined in bundle/extra.py, which
 reads it at load time, and re-exported here).
 """
 
@@ -35,12 +35,12 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from ..bundle_extra import ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange
+from ..bundle.extra import ROUTES, TRT_PRECISIONS, EngineRecord, Profile, ShapeRange
 from ..engines.tensorrt import (check_engine_compatible, check_ort_trt_tensorrt, check_tensorrt_graph, import_cudart, import_tensorrt,
                                 major_minor_patch, runtime_facts, tensorrt_graph_problem, tensorrt_version)
 from ..errors import BackendUnavailableError, ExportError, InvalidParameterError
 from .trt_graph import logits_rows_from_shape, trt_graph_path
-from ..manifest import (FileRecord, Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file,
+from ..bundle.manifest import (FileRecord, Manifest, ModelEntry, file_record, load_manifest, resolve_inside, sha256_file,
                         write_manifest)
 
 # Longer prompts are prefilled in chunks of this many tokens, which is exact (the graph takes any

@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ExportError
-from ..manifest import ModelIO
+from ..bundle.manifest import ModelIO
 
 COUNT_SUFFIX = "__count"  # the internal [1] tensor the rewrite feeds to the original consumers
 

@@ -42,9 +42,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..bundle_extra import BlockCandidate, MachineFingerprint, QuantTuning
+from ..bundle.extra import BlockCandidate, MachineFingerprint, QuantTuning
 from ..errors import InvalidParameterError
-from ..manifest import ModelEntry
+from ..bundle.manifest import ModelEntry
 
 # MatMulNBits block sizes. 32 is the default export's (and ONNX Runtime GenAI's); 16 is not tried: it
 # reads twice block 32's scales per weight, and the rule keeps a block only if it steps faster than 32.

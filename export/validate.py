@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ..bundle_extra import ComparisonRecord, ExactSteps, ValidationRecord
+from ..bundle.extra import ComparisonRecord, ExactSteps, ValidationRecord
 from ..engines.base import EngineOptions
 from ..engines.ort import OrtEngine
 from ..errors import ExportValidationError
-from ..manifest import ModelEntry
+from ..bundle.manifest import ModelEntry
 
 # fp32 graphs reorder float sums relative to PyTorch; across ~30 layers that moves
 # logits by ~1e-5 of their scale. 1e-3 of the scale still catches any real bug

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..bundle_extra import QualityRecord
+from ..bundle.extra import QualityRecord
 from ..errors import InvalidParameterError
 from .metrics import Tally, token_scores
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bundle_extra import QualityScore
+from ..bundle.extra import QualityScore
 from ..errors import InvalidParameterError
 
 # Rows converted to float64 at once: bounds the temporary to ROW_BLOCK x vocab doubles

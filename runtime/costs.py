@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..bundle_extra import CostProfile, MachineFingerprint
+from ..bundle.extra import CostProfile, MachineFingerprint
 from .options import DEFAULT_DRAFT_WINDOW
 
 # Weight of the newest observation in every moving average the runtime keeps (step costs here,

@@ -4,11 +4,10 @@ Adding a drafter is one new module in runtime/ (a class meeting :class:`Drafter`
 ``build(config, draft)`` function, or ``build(config, draft, replies)`` for a drafter that
 reads the Generator's cross-reply memory) plus one entry in :data:`DRAFTERS`. The CLI's
 ``--drafter`` choices, the server's ``specedge.drafter``, the bench's configuration
-names and the manifest's ``speculation.drafter`` all read their names from it.
+names and loading (which checks the manifest's ``speculation.drafter``) all read their names from it.
 
-This module imports only the standard library (the manifest reads it, and the manifest
-must load with nothing else installed): each entry names its module, imported when a
-drafter is first built.
+This module imports only the standard library (the CLI's options read it before anything heavy
+loads): each entry names its module, imported when a drafter is first built.
 """
 
 from __future__ import annotations

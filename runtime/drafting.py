@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-if TYPE_CHECKING:  # standard library only at run time: manifest.py reads the registry's names
+if TYPE_CHECKING:  # standard library only at run time: the CLI's options read the registry's names
     import numpy as np
 
     from ..engines.base import Engine, KVCache

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..bundle_extra import CostProfile
+from ..bundle.extra import CostProfile
 from ..engines import EngineOptions
 from ..engines.invariant import BatchInvariantEngine
 from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError

@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from ..engines import EngineOptions, backend_for, create_engine, runtime_description
-from ..errors import BundleError, InvalidParameterError
-from ..manifest import Manifest, TokenizerEntry, load_head_tokens, load_manifest, resolve_inside
-from ..bundle_extra import CostProfile
+from ..errors import BundleError, InvalidParameterError, ManifestError
+from ..bundle.manifest import Manifest, TokenizerEntry, load_head_tokens, load_manifest, resolve_inside
+from ..bundle.extra import CostProfile
+from ..bundle.schema import choice
+from .drafters import DRAFTER_CHOICES, needs_draft_model
 from .text import TextCodec
 
 
@@ -29,6 +31,13 @@ class LoadedBundle:
     threads: int  # intra-op threads the sessions were created with (0 = ORT default)
     cost_profile: CostProfile | None  # the manifest's measured step costs, when taken on this machine and setting
     runtime: str = ""  # the target's engines.runtime_description (backend, ORT version, provider)
+
+
+def check_speculation(manifest: Manifest) -> None:
+    """The manifest's drafter, checked against the registry (the format layer checks only its spelling)."""
+    drafter = choice(manifest.speculation.drafter, DRAFTER_CHOICES, "speculation.drafter")
+    if needs_draft_model(drafter) and manifest.draft is None:
+        raise ManifestError(f"manifest field 'speculation.drafter' is {drafter!r} but the bundle has no models.draft")
 
 
 def load_codec(bundle: Path, tok: TokenizerEntry) -> TextCodec:
@@ -55,6 +64,7 @@ def load_bundle(path: str | Path, *, provider: str = "cpu", threads: int = 0, dr
         raise InvalidParameterError(f"the bundle must be a folder path (str or Path); got {type(path).__name__}")
     bundle = Path(path)
     manifest = load_manifest(bundle, verify_checksums=verify_checksums)
+    check_speculation(manifest)
     # Two sessions alternate on the same cores when a draft is loaded. ORT's worker threads
     # keep spinning after a run and would steal the other session's cores (the int4 Qwen pair's
     # k=4 speculation ran 9.4 tok/s that way, 14.8 with spinning off), but spinning off slows

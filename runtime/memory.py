@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..bundle_extra import CostProfile
+from ..bundle.extra import CostProfile
 from .costs import CostModel
 from .drafters import needs_draft_model
 from .horizon import ReplyLengths

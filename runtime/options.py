@@ -22,7 +22,7 @@ from typing import Any
 
 from ..engines.base import PROVIDERS, EngineOptions
 from ..errors import InvalidParameterError
-from ..manifest import MAX_CONTEXT, MAX_DRAFT_TOKENS
+from ..bundle.manifest import MAX_CONTEXT, MAX_DRAFT_TOKENS
 from .drafters import DRAFTER_CHOICES, DRAFTERS, NO_DRAFTER
 from .sampling import SamplingConfig
 

@@ -1,7 +1,7 @@
 """Step-cost profiles on disk: which machine a profile belongs to, and where it is kept.
 
 The measurement itself is :func:`specedge.runtime.costs.measure`; the profile's schema (and its one
-parser) is :class:`specedge.bundle_extra.CostProfile`, stored under manifest ``extra["cost_profile"]``.
+parser) is :class:`specedge.bundle.extra.CostProfile`, stored under manifest ``extra["cost_profile"]``.
 
 ``specedge export --tune`` (or ``specedge tune BUNDLE``) measures them on the
 machine that will run the bundle and records them in the manifest, so the
@@ -17,8 +17,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ..bundle_extra import CostProfile
-from ..manifest import MANIFEST_FILE, parse_manifest
+from ..bundle.extra import CostProfile
+from ..bundle.manifest import MANIFEST_FILE, parse_manifest
 
 
 def save(bundle: Path, profile: CostProfile) -> None:

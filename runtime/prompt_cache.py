@@ -41,11 +41,11 @@ from typing import Sequence
 import numpy as np
 from numpy.lib import format as npy
 
-from ..bundle_extra import MachineFingerprint
+from ..bundle.extra import MachineFingerprint
 from ..engines.base import KVCache
 from ..errors import PromptCacheError
-from ..manifest import Manifest, ModelEntry
-from ..pathcheck import name_problem
+from ..bundle.manifest import Manifest, ModelEntry
+from ..bundle.pathcheck import name_problem
 
 FORMAT = "specedge-prompt-cache"
 VERSION = 3  # 3: a sha256 member binds the header to the arrays; 2: the key holds the CPU's extensions and threads

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..engines.base import KVCache
 from ..errors import InvalidParameterError
-from ..manifest import Manifest, ModelEntry
+from ..bundle.manifest import Manifest, ModelEntry
 
 
 # A prompt continues a slot's conversation when it keeps all but at most this many of the slot's

@@ -33,7 +33,7 @@ import numpy as np
 
 from specedge.engines.base import KVCache, check_finite_logits
 from specedge.errors import InvalidParameterError
-from specedge.manifest import Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry
+from specedge.bundle.manifest import Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry
 from specedge.runtime.generator import Generator
 from specedge.runtime.loading import LoadedBundle
 from specedge.runtime.text import TextCodec

@@ -356,7 +356,7 @@ def model_json(**changes) -> dict:
 def manifest_json(*, version: int | None = None, extra: dict | None = None, **model_changes) -> dict:
     """A decoded manifest.json of a target-only bundle (files of empty content), for parser tests;
     ``version`` defaults to the current FORMAT_VERSION."""
-    from specedge.manifest import FORMAT_VERSION
+    from specedge.bundle.manifest import FORMAT_VERSION
 
     version = FORMAT_VERSION if version is None else version
     digest = {"sha256": hashlib.sha256(b"").hexdigest(), "size": 0}

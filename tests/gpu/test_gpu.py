@@ -27,7 +27,7 @@ from specedge.engines import EngineOptions, create_engine
 from specedge.engines.ort import OrtEngine
 from specedge.cli.verify import AddressLog, device_bandwidth, route_missing, weight_bytes
 from specedge.engines.tensorrt import runtime_facts
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 
 pytestmark = pytest.mark.gpu
 

@@ -34,7 +34,7 @@ from specedge.engines import EngineOptions, backend_for, create_engine
 from specedge.engines.device import ALIGNMENT, CacheBlock, HostCopier, NewRows, align_up
 from specedge.engines.tensorrt import EngineRecord, check_engine_compatible
 from specedge.errors import BackendUnavailableError, ChecksumError, InvalidParameterError
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 from test_trt_profiles import FACTS, _entry, _fake_bundle, _fake_tensorrt, _greedy, _record
 
 REPO = Path(__file__).resolve().parents[2]  # tests/gpu/ -> the repository root

@@ -29,7 +29,7 @@ from specedge.errors import BackendUnavailableError, InvalidParameterError, Mani
 from specedge.export.tensorrt import (build_engines_for_bundle, build_trt_engine, check_engine_compatible,
                                       check_tensorrt_export, engine_cache_key, engine_paths, merge_profiles,
                                       ort_trt_provider_options, verify_profiles)
-from specedge.manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
+from specedge.bundle.manifest import (Manifest, ModelEntry, SpeculationDefaults, TokenizerEntry, file_record,
                                load_manifest, write_manifest)
 
 MAX_CONTEXT = 64

@@ -412,7 +412,7 @@ def test_a_peer_whose_default_thread_count_differs_also_runs_plain_at_its_own_de
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from specedge.bench import peers
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     calls: list[int] = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # torch's own default on some box

@@ -107,7 +107,7 @@ def test_without_llamacpp_the_bench_runs_alone(self_spec_bundle, tmp_path, monke
     """The real worker, with llama_cpp made unimportable: the peer is skipped with the reason."""
     from specedge.bench.peers import PeerContext, PeerSkipped, setup_llamacpp_conversation
     from specedge.cli.main import main
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(PeerSkipped, match="llama-cpp-python is not installed"):

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from specedge.errors import ChecksumError, ManifestError, NonFiniteLogitsError
-from specedge.graphfile import read_graph_facts
-from specedge.manifest import file_record, load_manifest
+from specedge.bundle.graphfile import read_graph_facts
+from specedge.bundle.manifest import file_record, load_manifest
 
 onnx = pytest.importorskip("onnx")
 
@@ -133,7 +133,7 @@ def test_a_max_context_beyond_the_graphs_positions_is_refused_at_load(arch_bundl
 @pytest.mark.parametrize("pattern", ["past_key.%%d", "past_key.%s.%d", "past_key.%d.%d", "past_key.%", "past_key"])
 def test_an_io_pattern_that_is_not_one_layer_index_is_a_manifest_error(llama_bundle, pattern):
     """Issue 20: "%%d" passed the old count("%d") check and then failed with a TypeError."""
-    from specedge.manifest import parse_manifest
+    from specedge.bundle.manifest import parse_manifest
 
     obj = json.loads((llama_bundle / "manifest.json").read_text())
     obj["models"]["target"].setdefault("io", {})["past_key"] = pattern

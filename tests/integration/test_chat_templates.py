@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from specedge.errors import ChatTemplateError, InvalidParameterError
-from specedge.manifest import file_record
+from specedge.bundle.manifest import file_record
 from specedge.runtime.chat_template import RENDER_TIME_BUDGET_S, ChatTemplate
 
 pytest.importorskip("torch")

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from specedge import __version__
 from specedge.cli.main import main
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 
 PROMPT = "w010 w011 w012 w013"
 

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from specedge.cli.main import main
-from specedge.manifest import file_record
+from specedge.bundle.manifest import file_record
 from specedge.runtime.generator import Generator
 from test_chat_templates import CHATML, chatml_bundle
 

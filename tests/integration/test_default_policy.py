@@ -157,7 +157,7 @@ def test_sampled_tokens_keep_the_plain_distribution(sampling_pair):
 
 def test_the_registry_and_the_bundle_default():
     from specedge.bench.configs import parse_config_name
-    from specedge.manifest import SpeculationDefaults
+    from specedge.bundle.manifest import SpeculationDefaults
     from specedge.runtime.options import OPTIONS
 
     spec = DRAFTERS["auto"]

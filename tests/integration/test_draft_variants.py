@@ -16,7 +16,7 @@ import pytest
 
 from specedge.errors import InvalidParameterError, ManifestError
 from specedge.export.bundle import ExportConfig, export_bundle
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 from specedge.runtime.drafters import ModelDrafter
 from specedge.runtime.generator import Generator
 from specedge.runtime.sampling import SamplingConfig

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from specedge.cli.main import main
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 from specedge.quality.evaluate import EvalText, evaluate_bundle
 from test_no_torch import _run
 from tiny_models import edit_manifest, word

@@ -23,7 +23,7 @@ from conftest import ARCHS
 from specedge.engines.base import EngineOptions
 from specedge.engines.ort import OrtEngine
 from specedge.errors import ExportValidationError
-from specedge.manifest import load_manifest, resolve_inside
+from specedge.bundle.manifest import load_manifest, resolve_inside
 from tiny_models import load_hf
 
 PARITY_ATOL = 1e-4

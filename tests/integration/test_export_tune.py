@@ -8,10 +8,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specedge.bundle_extra import MachineFingerprint
+from specedge.bundle.extra import MachineFingerprint
 from specedge.cli.main import main
 from specedge.export.tune import CANDIDATE_BLOCKS, choose
-from specedge.manifest import load_manifest
+from specedge.bundle.manifest import load_manifest
 
 from tiny_models import PROMPT_IDS
 

@@ -91,7 +91,7 @@ def _bundle(tiny_model, export, case: str, attention: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_transformers_and_speculation_equals_plain(case, attention, tiny_model, export,
                                                                 load_generator):
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     folder, bundle = _bundle(tiny_model, export, case, attention)
     assert load_manifest(bundle).target.attention == attention
@@ -294,7 +294,7 @@ def test_a_manifest_max_context_past_the_graphs_rope_tables_is_refused_at_load(c
     import shutil
 
     from specedge.errors import ManifestError
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     arch, config = CASES[case]
     bundle = Path(shutil.copytree(export(tiny_model(arch, seed=SEED, config=config), draft="self-int4",

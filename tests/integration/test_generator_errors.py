@@ -19,7 +19,7 @@ from specedge.engines import EngineOptions, create_engine
 from specedge.engines.base import KVCache
 from specedge.errors import (BackendUnavailableError, BundleError, ContextOverflowError, InvalidParameterError,
                              ModelLoadError, SpecedgeError)
-from specedge.manifest import file_record, load_manifest, resolve_inside
+from specedge.bundle.manifest import file_record, load_manifest, resolve_inside
 from specedge.runtime.generator import GenerationConfig, Generator
 from tiny_models import edit_manifest
 

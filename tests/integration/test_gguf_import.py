@@ -133,7 +133,7 @@ def test_an_int4_export_of_a_gguf_keeps_its_blocks_and_records_each_weight(gguf_
     import onnx
 
     from specedge.export.gguf_import import GgufTensors
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     source, bundles = gguf_export
     manifest = load_manifest(bundles["int4"])
@@ -166,7 +166,7 @@ def test_the_imported_graph_computes_the_dequantized_gguf(gguf_export):
     CPU kernel runs at level 4 only, stay fp32 there, recorded with the reason. At level 4 (int8
     activations per block) the argmax still agrees."""
     from specedge.engines.ort import OrtEngine
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
     from specedge.engines.base import EngineOptions
 
     _, bundles = gguf_export

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from specedge.manifest import ATTENTIONS, ModelEntry, ModelIO
+from specedge.bundle.manifest import ATTENTIONS, ModelEntry, ModelIO
 
 
 # --------------------------------------------------------------------------- graph IO names

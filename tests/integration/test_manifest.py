@@ -16,7 +16,7 @@ import os
 import pytest
 
 from specedge.errors import BundleError, ChecksumError, ManifestError, UnsafePathError
-from specedge.manifest import FORMAT_VERSION, Manifest, load_manifest, parse_manifest
+from specedge.bundle.manifest import FORMAT_VERSION, Manifest, load_manifest, parse_manifest
 from tiny_models import edit_manifest
 
 
@@ -96,7 +96,7 @@ def test_ill_typed_field_names_the_dotted_field(manifest_json, path, value, want
     ("models.target.n_kv_heads", 3, r"must be a multiple of n_kv_heads"),
     ("models.target.eos_token_ids", [999999], r"eos_token_ids\[0\]' must be a token id in \[0, 300\)"),
     ("models.target.io", {"past_key": "past_key"}, r"'models.target.io.past_key' must contain exactly one '%d'"),
-    ("speculation.drafter", "beam", r"'speculation.drafter' must be one of none, auto, model, ngram, composite, suffix"),
+    ("speculation.drafter", "Beam Search!", r"'speculation.drafter' must be a drafter name"),
     ("speculation.max_draft_tokens", 65, r"must be in \[1, 64\]"),
     ("format", "other-bundle", r"not a specedge bundle"),
 ])
@@ -110,8 +110,10 @@ def test_unknown_model_role_and_missing_draft(manifest_json):
     with pytest.raises(ManifestError, match=r"unknown entries \['extra'\]"):
         parse_manifest(obj)
     no_draft = _with(manifest_json, "models.draft", delete=True)
+    from specedge.runtime.loading import check_speculation  # the registry says which drafters need a draft model
+
     with pytest.raises(ManifestError, match=r"'speculation.drafter' is 'model' but the bundle has no models.draft"):
-        parse_manifest(_with(no_draft, "speculation.drafter", "model"))
+        check_speculation(parse_manifest(_with(no_draft, "speculation.drafter", "model")))
     assert parse_manifest(_with(no_draft, "speculation", delete=True)).speculation.drafter == "auto"  # lookup only
 
 
@@ -246,3 +248,16 @@ def test_hand_edited_manifest_is_validated_at_load(int4_bundle, bundle_copy):
     edit_manifest(bundle, lambda obj: obj["models"]["target"].update(n_heads="four"))
     with pytest.raises(ManifestError, match=r"'models.target.n_heads' must be int"):
         load_manifest(bundle)
+
+
+def test_a_drafter_the_registry_does_not_know_is_refused_at_load(int4_bundle, bundle_copy):
+    """The format checks a drafter name's spelling; loading checks it against the runtime's registry."""
+    from specedge.runtime.generator import Generator
+
+    assert parse_manifest(_with(json.loads((int4_bundle / "manifest.json").read_text()), "speculation.drafter",
+                                "beam")).speculation.drafter == "beam"
+    bundle = bundle_copy(int4_bundle)
+    edit_manifest(bundle, lambda obj: obj["speculation"].update(drafter="beam"))
+    with pytest.raises(ManifestError, match=r"'speculation.drafter' must be one of none, auto, model, ngram, "
+                                            r"composite, suffix; got 'beam'"):
+        Generator.from_bundle(bundle)

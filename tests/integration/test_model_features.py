@@ -49,7 +49,7 @@ def _window_bundle(tiny_model, export, case: str, attention: str):
 @pytest.mark.parametrize("case", sorted(WINDOW_CASES))
 def test_sliding_window_greedy_equals_transformers_past_the_window(case, attention, tiny_model, export,
                                                                    load_generator):
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     folder, bundle = _window_bundle(tiny_model, export, case, attention)
     expected = hf_greedy(load_hf(folder), PROMPT_IDS, N_NEW)
@@ -258,7 +258,7 @@ def test_format_1_bundles_load_and_info_flags_them(arch_bundle, bundle_copy):
     from click.testing import CliRunner
 
     from specedge.cli.main import main
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     bundle = bundle_copy(arch_bundle("llama"))
     edit_manifest(bundle, lambda obj: obj.update(format_version=1))
@@ -271,7 +271,7 @@ def test_format_1_bundles_load_and_info_flags_them(arch_bundle, bundle_copy):
 
 def test_unknown_format_versions_are_refused(arch_bundle, bundle_copy):
     from specedge.errors import ManifestError
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     bundle = bundle_copy(arch_bundle("llama"))
     edit_manifest(bundle, lambda obj: obj.update(format_version=99))

@@ -86,10 +86,10 @@ def test_manifest_and_fetch_need_only_the_standard_library(int4_bundle, tmp_path
     body = f"""
     import json
     import specedge.errors
-    import specedge.manifest
+    import specedge.bundle.manifest
     import specedge.export.catalog
     import specedge.export.fetch
-    manifest = specedge.manifest.load_manifest({str(int4_bundle)!r})  # sha256 of every file included
+    manifest = specedge.bundle.manifest.load_manifest({str(int4_bundle)!r})  # sha256 of every file included
     print(json.dumps({{"models": sorted(manifest.models()), "catalog": sorted(specedge.export.catalog.CATALOG),
                       "leaked": leaked()}}))
     """

@@ -47,7 +47,7 @@ def test_streamed_bytes_skip_gathered_tables(tmp_path):
 
 def test_fused_gqa_graph_structure_and_profile(tiny_model, export, tmp_path):
     bundle = export(tiny_model("llama"), attention="gqa")
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     graph = onnx.load(str(bundle / load_manifest(bundle).target.graph), load_external_data=False).graph
     ops = collections.Counter(n.op_type for n in graph.node)
@@ -71,7 +71,7 @@ def test_info_says_where_step_costs_were_measured(llama_bundle, bundle_copy):
     from click.testing import CliRunner
 
     from specedge.cli.main import main
-    from specedge.bundle_extra import MachineFingerprint
+    from specedge.bundle.extra import MachineFingerprint
 
     bundle = bundle_copy(llama_bundle)
     path = bundle / "manifest.json"

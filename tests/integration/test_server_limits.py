@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from specedge.manifest import file_record  # noqa: E402
+from specedge.bundle.manifest import file_record  # noqa: E402
 from specedge.runtime.generator import Generator  # noqa: E402
 from specedge.server.app import create_app  # noqa: E402
 from specedge.server.serving import SpecedgeServer, server_config  # noqa: E402

@@ -63,7 +63,7 @@ def test_a_gemma_gguf_that_asks_for_bos_exports_with_it_and_generates_as_transfo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specedge.manifest import load_manifest
+    from specedge.bundle.manifest import load_manifest
 
     assert load_manifest(gemma_bundle).tokenizer.add_bos_token is True
     reference = _gguf_tokenizer(gemma_gguf)

@@ -44,10 +44,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specedge import manifest as manifest_mod
+from specedge.bundle import manifest as manifest_mod
 from specedge.errors import (BundleError, ChecksumError, ManifestError, ModelLoadError, SpecedgeError,
                              UnsafePathError)
-from specedge.manifest import file_record, load_manifest, parse_manifest
+from specedge.bundle.manifest import file_record, load_manifest, parse_manifest
 from tiny_models import build_model
 
 OUTCOMES: dict[str, Counter] = {"parse_manifest": Counter(), "load_manifest": Counter()}

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import pytest
 
-from specedge.bundle_extra import (BlockCandidate, ComparisonRecord, CostProfile, EngineRecord, ExactSteps,
+from specedge.bundle.extra import (BlockCandidate, ComparisonRecord, CostProfile, EngineRecord, ExactSteps,
                                    MachineFingerprint, ManifestExtra, Profile, QualityRecord, QualityScore,
                                    QuantTuning, ShapeRange, ValidationRecord)
 from specedge.errors import BundleError, ManifestError, UnsafePathError
-from specedge.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
+from specedge.bundle.manifest import FORMAT_VERSION, LEGACY_FORMAT_NOTES, Manifest, parse_manifest
 from tiny_models import manifest_json
 
 MACHINE = MachineFingerprint(cpu="AMD EPYC 7B13", cores=2, threads=1, isa="avx2,avx512f,avx512_vnni")

@@ -33,7 +33,8 @@ BODY = textwrap.dedent('''
     from specedge.bench.configs import expand_configs, parse_config_name
     from specedge.cli.main import main
     from specedge.errors import ManifestError
-    from specedge.manifest import parse_manifest
+    from specedge.bundle.manifest import parse_manifest
+    from specedge.runtime.loading import check_speculation
     from specedge.runtime.options import GenerationConfig
     from specedge.server.protocol import APIError, parse_request
 
@@ -65,8 +66,9 @@ BODY = textwrap.dedent('''
     manifest["speculation"]["drafter"] = "echo"
     out["manifest"] = parse_manifest(manifest).speculation.drafter
     manifest["speculation"]["drafter"] = "echo-model"
+    parsed_manifest = parse_manifest(manifest)  # the format checks the spelling; loading, the registry
     try:
-        parse_manifest(manifest)
+        check_speculation(parsed_manifest)
     except ManifestError as exc:
         out["manifest_needs_draft"] = str(exc)
     print(json.dumps(out))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specedge.bundle_extra import BlockCandidate
+from specedge.bundle.extra import BlockCandidate
 from specedge.errors import InvalidParameterError
 from specedge.export.tune import CONTINUATION_TOKENS, MIN_GAIN, calibration_prompts, choose, continuation_tokens
 

@@ -146,7 +146,7 @@ def test_serve_exact_refuses_a_bundle_exact_mode_cannot_run_at_start(gen, monkey
     pytest.importorskip("starlette")
     from dataclasses import replace
 
-    from specedge.bundle_extra import ExactSteps
+    from specedge.bundle.extra import ExactSteps
     from specedge.errors import InvalidParameterError
     from specedge.server.app import create_app
 

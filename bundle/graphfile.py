@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 # Subgraphs nest through control-flow nodes; real models nest a handful deep. A bound keeps

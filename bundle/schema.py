@@ -1,6 +1,6 @@
 """Readers for untrusted JSON fields: the primitives every part of the bundle schema parses with.
 
-The manifest (manifest.py), its typed extras (bundle_extra.py) and anything else that reads a
+The manifest (manifest.py), its typed extras (extra.py) and anything else that reads a
 bundle's JSON use these, so a bad field gets the same message wherever it sits:
 ``manifest field '<dotted.path>' must be ...``, raised as :class:`~specedge.errors.ManifestError`
 (a :class:`~specedge.errors.BundleError`), or :class:`~specedge.errors.UnsafePathError` for a path
@@ -16,7 +16,7 @@ import reprlib
 from pathlib import PurePosixPath
 from typing import Any
 
-from .errors import ManifestError, UnsafePathError
+from ..errors import ManifestError, UnsafePathError
 
 # Integer fields are counts and sizes: anything past int64 is garbage, and past ~4300 digits
 # Python cannot even print it (str(int) raises ValueError), so it is refused before any message.

@@ -34,7 +34,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidParameterError, ManifestError
+from ..errors import InvalidParameterError, ManifestError
 from .schema import (MAX_DRAFT_TOKENS, ROLES, check_type, dotted, finite, optional_relpath, read_field,
                      refuse_unknown, relpath, show, string_map)
 

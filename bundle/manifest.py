@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .bundle_extra import ManifestExtra
-from .errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
+from .extra import ManifestExtra
+from ..errors import BundleError, ChecksumError, ManifestError, UnsafePathError, VocabMismatchError
 from .graphfile import read_graph_facts
 from .schema import (MAX_CONTEXT, MAX_DRAFT_TOKENS, ROLES, choice, positive, read_field, refuse_unknown, relpath,
                      show)
@@ -144,7 +144,7 @@ class TokenizerEntry:
 class SpeculationDefaults:
     """What a bundle runs when the caller does not say otherwise."""
 
-    drafter: str = "auto"  # one of runtime.drafters.DRAFTER_CHOICES (DEFAULT_DRAFTER)
+    drafter: str = "auto"  # a drafter name; loading checks it against the runtime's registry (runtime.drafters)
     draft_tokens: int = 4  # k for fixed-k speculation
     max_draft_tokens: int = 8  # the largest verify is max_draft_tokens + 1 tokens
     adaptive: bool = True  # let the cost model choose k per step (k=0 included)
@@ -312,6 +312,18 @@ def _parse_model(obj: Any, where: str) -> ModelEntry:
     )
 
 
+# A drafter name as the manifest may spell it. Which names exist is the runtime's registry's
+# business (runtime.drafters); the format only refuses what could never be a name.
+_DRAFTER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+
+def _drafter_name(name: str) -> str:
+    if not _DRAFTER_NAME.fullmatch(name):
+        raise ManifestError(f"manifest field 'speculation.drafter' must be a drafter name (lower-case letters, "
+                            f"digits, '-' or '_', at most 64), got {name!r}")
+    return name
+
+
 def parse_manifest(obj: Any) -> Manifest:
     """Validate a decoded manifest.json. Raises ManifestError naming the bad field."""
     if not isinstance(obj, dict):
@@ -346,9 +358,6 @@ def parse_manifest(obj: Any) -> Manifest:
         add_bos_token=read_field(tok, "add_bos_token", "tokenizer", bool, optional=True, default=False),
     )
 
-    # The drafter registry names the drafters; imported here, not at the top: the runtime imports this module.
-    from .runtime.drafters import DEFAULT_DRAFTER, DRAFTER_CHOICES, needs_draft_model
-
     spec = read_field(obj, "speculation", "", dict, optional=True, default={})
     defaults = SpeculationDefaults()
     max_draft = read_field(spec, "max_draft_tokens", "speculation", int, optional=True, default=defaults.max_draft_tokens)
@@ -361,15 +370,13 @@ def parse_manifest(obj: Any) -> Manifest:
         raise ManifestError(f"manifest field 'speculation.draft_tokens' must be in [0, max_draft_tokens={max_draft}],"
                             f" got {draft_tokens}")
     speculation = SpeculationDefaults(
-        drafter=choice(read_field(spec, "drafter", "speculation", str, optional=True,
-                                  default=DEFAULT_DRAFTER), DRAFTER_CHOICES, "speculation.drafter"),
+        drafter=_drafter_name(read_field(spec, "drafter", "speculation", str, optional=True,
+                                         default=defaults.drafter)),
         draft_tokens=draft_tokens,
         max_draft_tokens=max_draft,
         adaptive=read_field(spec, "adaptive", "speculation", bool, optional=True, default=defaults.adaptive),
     )
-    if needs_draft_model(speculation.drafter) and draft is None:
-        raise ManifestError(f"manifest field 'speculation.drafter' is {speculation.drafter!r} but the bundle has "
-                            "no models.draft")
+
 
     files = {relpath(rel, f"files[{rel!r}]"): FileRecord.from_dict(meta, f"files[{rel!r}]")
              for rel, meta in read_field(obj, "files", "", dict).items()}
