@@ -56,6 +56,11 @@ class ContextOverflowError(SpecedgeError, ValueError):
     """The prompt (plus the tokens it must generate) does not fit in max_context."""
 
 
+class ForwardCancelled(SpecedgeError):
+    """A forward was stopped by its generation's cancel (engines/base.py :class:`Interrupt`) before it
+    finished: the cache's ``length`` is unchanged, and nothing it wrote past ``length`` is held."""
+
+
 class PromptCacheError(SpecedgeError):
     """A persisted prompt cache cannot be used: missing, truncated or corrupt, or saved for
     another bundle or setting (the message names the mismatching field)."""

@@ -13,12 +13,14 @@ handed to ONNX Runtime without a copy, and new K/V land in place right after it.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from ..errors import ContextOverflowError, InvalidParameterError, NonFiniteLogitsError
+from ..errors import ContextOverflowError, ForwardCancelled, InvalidParameterError, NonFiniteLogitsError
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -122,6 +124,67 @@ class KVCache:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
+class Interrupt:
+    """One generation's cancel, reaching into the forward in progress.
+
+    Another thread calls :meth:`set` (a client left). An engine wraps each session run in
+    :meth:`running` with a ``stop`` callable that makes that run give up midway (ONNX Runtime's
+    ``RunOptions.terminate``); :meth:`set` calls it for the run in progress, and a run that would
+    start after :meth:`set` raises :class:`~specedge.errors.ForwardCancelled` without starting.
+    Usable where a ``threading.Event`` is (``set``, ``is_set``): the loop still checks it after every
+    block, which is all an engine that cannot stop a run midway offers.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._stops: list[Callable[[], None]] = []  # the runs in progress (a pipelined step runs two)
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            stops = list(self._stops)
+        for stop in stops:
+            stop()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def check(self) -> None:
+        """Raise ForwardCancelled when the generation was cancelled (before a run starts)."""
+        if self._set:
+            raise ForwardCancelled("the generation was cancelled before this forward started")
+
+    @contextmanager
+    def running(self, stop: Callable[[], None]) -> Iterator[None]:
+        """Hold ``stop`` as the way to end the run inside this block; refuse to start once set."""
+        with self._lock:
+            if self._set:
+                raise ForwardCancelled("the generation was cancelled before this forward started")
+            self._stops.append(stop)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stops.remove(stop)
+
+
+@contextmanager
+def interrupting(engines, interrupt: Interrupt | None) -> Iterator[None]:
+    """Give each of ``engines`` (None entries skipped, repeats fine) ``interrupt`` for the block, then None.
+
+    The caller holds the engines for one generation (the Generator's lock), so no other run reads it.
+    """
+    held = [engine for engine in dict.fromkeys(engines) if engine is not None]
+    for engine in held:
+        engine.interrupt = interrupt
+    try:
+        yield
+    finally:
+        for engine in held:
+            engine.interrupt = None
+
+
 class Engine(Protocol):
     """One compiled decoder.
 
@@ -129,10 +192,18 @@ class Engine(Protocol):
     tokens at positions ``kv.length .. kv.length + n - 1``. The engine writes
     their K/V into ``kv`` at those positions, advances ``kv.length`` by n, and
     returns float32 logits ``[num_logits, vocab]`` for the last ``num_logits`` of them.
+
+    ``interrupt``: the cancel of the generation using the engine now (set by the Generator around
+    a run of the loop; None otherwise). A forward it stops raises ForwardCancelled and leaves
+    ``kv.length`` unchanged. The ORT CPU engine stops a session run midway (between graph nodes);
+    the CUDA and TensorRT engines refuse only a forward not yet started (a GPU step is short);
+    an engine without the attribute (a test's reference engine) ignores it, and the cancel is
+    seen at the next block, as before.
     """
 
     vocab_size: int
     max_context: int
+    interrupt: Interrupt | None
 
     def new_cache(self) -> KVCache: ...
 

@@ -217,6 +217,8 @@ class OrtCudaEngine(OrtEngine):
         """Run n new tokens; returns float32 ``[num_logits, output_size]``, a view valid until the next call."""
         if not isinstance(kv, DeviceKVCache) or kv.device != self._device:
             raise InvalidParameterError("OrtCudaEngine.forward needs the cache from its own new_cache()")
+        if self.interrupt is not None:  # a GPU step is short: a cancel refuses the next one, not this one
+            self.interrupt.check()
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
         first = kv.length == 0
         if 0 < ids.shape[0] <= self.static_steps:  # decode, draft and verify steps; prefill stays dynamic

@@ -35,7 +35,7 @@ import numpy as np
 from ..bundle.extra import EngineRecord, Profile, ShapeRange
 from ..errors import BackendUnavailableError, ChecksumError, InvalidParameterError, ModelLoadError
 from ..bundle.manifest import ModelEntry, ModelIO, load_manifest, resolve_inside, sha256_file
-from .base import EngineOptions, KVCache
+from .base import EngineOptions, Interrupt, KVCache
 from .device import ALIGNMENT, BlockAddresses, CacheBlock, CudartCopier, NewRows, cuda_call, import_cudart, is_aligned
 
 REBUILD_HINT = "rebuild with `specedge export --engine tensorrt`"
@@ -403,6 +403,7 @@ class TensorrtEngine:
                                     "cudaStreamCreateWithFlags"))
         io = entry.io
         self.profiles = tuple(self._read_profile(i) for i in range(self.engine.num_optimization_profiles))
+        self.interrupt: Interrupt | None = None  # the running generation's cancel (engines/base.py Engine)
         self.max_tokens = max(p.new_tokens(io)[1] for p in self.profiles)
         self._active_profile = -1
         # As exported, num_logits_to_keep feeds a Slice start: a shape tensor TensorRT reads from host memory.
@@ -466,6 +467,8 @@ class TensorrtEngine:
         """Run n new tokens; returns float32 ``[num_logits, output_size]``, a view valid until the next call."""
         if not isinstance(kv, CudaKVCache):
             raise InvalidParameterError("TensorrtEngine.forward needs the cache from its own new_cache()")
+        if self.interrupt is not None:  # a GPU step is short: a cancel refuses the next one, not this one
+            self.interrupt.check()
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
         return forward_in_chunks(self._run, ids, kv, num_logits, self.max_tokens)
 

@@ -33,8 +33,9 @@ import numpy as np
 
 from ..bundle.extra import CostProfile
 from ..engines import EngineOptions
+from ..engines.base import Interrupt, interrupting
 from ..engines.invariant import BatchInvariantEngine
-from ..errors import ContextOverflowError, InvalidParameterError, SpecedgeError
+from ..errors import ContextOverflowError, ForwardCancelled, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
 from . import loop
 from . import prompt_cache
@@ -66,13 +67,14 @@ class GenerationResult:
 
 
 class TextStream:
-    """Iterator of text deltas, one per committed block; ``cancel()`` stops at the next block.
+    """Iterator of text deltas, one per committed block; ``cancel()`` stops the forward in progress
+    (ONNX Runtime on CPU stops it between graph nodes; other engines finish it) or the next block.
 
     While a stream is being iterated it holds its Generator (one KV cache per model), so
     other calls wait: exhaust it, ``close()`` it, or use it as a context manager.
     """
 
-    def __init__(self, deltas: Iterator[str], result: GenerationResult, cancel: threading.Event) -> None:
+    def __init__(self, deltas: Iterator[str], result: GenerationResult, cancel: Interrupt) -> None:
         self._deltas = deltas
         self._cancel = cancel  # the run checks it after every block
         self.result = result  # filled as blocks commit; final once the iterator is exhausted or closed
@@ -335,7 +337,7 @@ class Generator:
                 "with `specedge export --exact` (with --tune it keeps only a row-invariant layout) or with the "
                 "default --block-size 32, or run without exact")
 
-    def _start(self, ids: list[int], config: GenerationConfig, cancel: threading.Event | None
+    def _start(self, ids: list[int], config: GenerationConfig, cancel: Interrupt | None
                ) -> tuple[GenerationResult, Iterator[str]]:
         """The one generation path behind generate() and stream(): the result it fills, and
         the iterator of text deltas that runs it. Drafter errors surface here, at the call;
@@ -347,7 +349,7 @@ class Generator:
 
     def _iterate(self, ids: list[int], config: GenerationConfig, drafter_name: str | None,
                  controller: Controller | None, state: loop.LoopResult, result: GenerationResult,
-                 cancel: threading.Event | None) -> Iterator[str]:
+                 cancel: Interrupt | None) -> Iterator[str]:
         rng = np.random.default_rng(config.seed)
         decoder = StreamDecoder(self.codec, config.stop)
         pending: list[str] = []
@@ -360,7 +362,8 @@ class Generator:
                 pending.append(delta)
             return None if decoder.stopped_at is None else decoder.stopped_at + 1 - before
 
-        with self._exclusive():
+        # A cancel reaches into the forward in progress (engines/base.py Interrupt); stream() passes one.
+        with self._exclusive(), interrupting((self.target.inner, self.draft), cancel):
             slot, reuse = self.slots.acquire(ids, config.exact, salt=config.cache_salt, reuse=config.reuse_prefix)
             drafter = None if drafter_name is None else self._build_drafter(drafter_name, config, slot)
             # Exact: the batch-invariant target, whose plain steps take the verify's kernels; fast (default): 1 row.
@@ -385,6 +388,9 @@ class Generator:
                     if cancel is not None and cancel.is_set():
                         state.finish_reason = "cancelled"
                         break
+                failed = False
+            except ForwardCancelled:  # a cancel stopped a forward midway: it advanced no cache length
+                state.finish_reason = "cancelled"
                 failed = False
             except GeneratorExit:  # the consumer closed the stream: a cancel, the caches are sound
                 failed = False
@@ -563,7 +569,7 @@ class Generator:
         config = self._config(config, overrides)
         ids = self.encode_prompt(prompt, messages=messages, input_ids=input_ids, chat=config.chat,
                                  allow_special_tokens=config.allow_special_tokens)
-        cancel = threading.Event()
+        cancel = Interrupt()
         result, deltas = self._start(ids, config, cancel)
         stream = TextStream(deltas, result, cancel)
         if callback is not None:

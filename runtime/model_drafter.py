@@ -131,6 +131,9 @@ class ModelDrafter:
         if keep < len(self.cached):
             self.cache.rewind(len(self.cached) - keep)
             del self.cached[keep:]
+            held = self._prefix
+            if len(held.tokens) > keep:  # the next feed rewrites those positions, and a cancel may stop it
+                held.set(held.tokens[:keep], *((held.head, held.skipped) if keep > held.head else (0, 0)))
 
     def lookup_offer(self, history, limit: int) -> LookupOffer:
         return NO_LOOKUP  # every proposal runs the draft model

@@ -11,8 +11,9 @@ Events, in order: zero or more ``("delta", str)``, then exactly one
 ``("done", GenerationResult)`` or ``("error", Exception)``.
 
 Cancellation: ``cancel(job)`` takes a waiting job out of the queue at once (its
-slot is free for the next request), or asks a running one to stop at its next
-block boundary (``TextStream.cancel()``).
+slot is free for the next request), or stops a running one (``TextStream.cancel()``):
+inside the forward in progress on ONNX Runtime's CPU engine (a prefill included),
+else at its next block boundary; its slot keeps the tokens committed before.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Job:
         self.started_at: float | None = None  # when the worker picked it up
         self.finished_at: float | None = None  # when the worker was done with it (or it left the queue)
         self.outcome: str | None = None  # the counter it landed in
+        self.result = None  # its GenerationResult once it ran (the preemptive bench reads its stats)
         self._loop = loop
         self._cancelled = threading.Event()
         self._stream: TextStream | None = None
@@ -260,7 +262,7 @@ class GenerationWorker:
             for delta in stream:
                 if not job._emit("delta", delta):
                     stream.cancel()
-            result = stream.result
+            result = job.result = stream.result
         except Exception as exc:  # reported to its client; the worker serves the next job
             if isinstance(exc, SpecedgeError):  # a typed failure (corrupt weights...): one line, no traceback
                 log.error("generation %s failed: %s", job.name, exc)
