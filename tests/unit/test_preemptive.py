@@ -78,7 +78,8 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
     pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
     from specedge.bench.conversation import Conversation
-    from specedge.bench.preemptive import CONFIGS, CancelPlan, LocalServer, attempt_texts, run_preemptive
+    from specedge.bench.preemptive import (CONFIGS, CancelPlan, LocalServer, attempt_texts, format_report,
+                                           measure_bounds, run_preemptive)
 
     assert attempt_texts("w010 w011 w012 w013", 3) == ["w010", "w010 w011", "w010 w011 w012"]
     talk = Conversation("w020 w021 w022 w023 w024 w025", ("w030 w031 w032 w033 w034 w035 w036 w037",
@@ -90,7 +91,20 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
         for server in servers.values():
             server.close()
     assert report.identical
+    measure_bounds(servers["preemptive"].generator, report)
     rows = {(t.config, t.turn): t for t in report.turns}
+    for t in report.turns:  # the bound: measured for every preemptive turn, on its uncached tokens only
+        assert (t.bound is not None) == (t.config == "preemptive")
+        if t.bound is not None:
+            assert t.bound.new_tokens == t.prompt_tokens - t.reused_tokens and t.prompt_ids
+            assert t.bound.bound_s == t.bound.step_s + t.bound.prefill_s > 0
+            assert t.queue_s is not None and t.server_prefill_s is not None
+    summary = report.summary()["preemptive"]
+    assert summary["turns_bounded"] == 2 and 0 <= summary["turns_within_bound"] <= 2
+    assert summary["cancel_to_free_p50_s"] <= summary["cancel_to_free_p90_s"] <= summary["cancel_to_free_max_s"]
+    text = format_report(report, CancelPlan(attempts=3, after_blocks=2))
+    assert f"{summary['turns_within_bound']} of 2 preemptive turns within it" in text
+    assert "bound" not in report.to_json()["turns"][0] and "prompt_ids" not in report.to_json()["turns"][0]
     for turn in range(2):
         final = rows["preemptive", turn]
         assert len(final.attempts) == 3 and all(a.ran for a in final.attempts)  # cancelled while streaming
