@@ -20,12 +20,11 @@ runs while its distribution stays the target's.
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -35,9 +34,9 @@ from ..bundle.extra import CostProfile
 from ..engines import EngineOptions
 from ..engines.base import Interrupt, interrupting
 from ..engines.invariant import BatchInvariantEngine
-from ..errors import ContextOverflowError, ForwardCancelled, InvalidParameterError, SpecedgeError
+from ..errors import ForwardCancelled, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
-from . import loop
+from . import inputs, loop
 from . import prompt_cache
 from .profile import save as save_profile
 from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
@@ -178,37 +177,11 @@ class Generator:
     def encode_prompt(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                       input_ids: Sequence[int] | None = None, chat: bool = True,
                       allow_special_tokens: bool = False) -> list[int]:
-        given = sum(x is not None for x in (prompt, messages, input_ids))
-        if given != 1:
-            raise InvalidParameterError("pass exactly one of prompt, messages or input_ids")
-        if input_ids is not None:
-            if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence) and \
-                    not isinstance(input_ids, np.ndarray):
-                raise InvalidParameterError(f"input_ids must be a list of token ids; got {type(input_ids).__name__}")
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in input_ids):
-                bad = next(t for t in input_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-                raise InvalidParameterError(f"input_ids must hold integers (token ids); got {bad!r}")
-            ids = [int(t) for t in input_ids]
-            bad = [t for t in ids if not 0 <= t < self.manifest.target.vocab_size]
-            if bad:
-                raise InvalidParameterError(f"input_ids holds ids outside [0, {self.manifest.target.vocab_size}): "
-                                            f"{bad[:5]}")
-        elif messages is not None:
-            ids = self.codec.encode_chat(messages, allow_special_tokens=allow_special_tokens)
-        else:
-            if not isinstance(prompt, str):
-                raise InvalidParameterError(f"prompt must be a string; got {type(prompt).__name__}")
-            if chat and self.codec.chat_template:
-                ids = self.codec.encode_chat([{"role": "user", "content": prompt}],
-                                             allow_special_tokens=allow_special_tokens)
-            else:
-                ids = self.codec.encode(prompt)
-        if not ids:
-            raise InvalidParameterError("the prompt is empty: it encodes to no tokens")
-        if len(ids) >= self.max_context:
-            raise ContextOverflowError(f"prompt is {len(ids)} tokens but max_context is {self.max_context}; "
-                                       "shorten it or re-export with a larger --max-context")
-        return ids
+        """The prompt's token ids, checked (runtime/inputs.py): exactly one of ``prompt``, ``messages`` or
+        ``input_ids``; 1 <= length < max_context."""
+        return inputs.encode_prompt(self.codec, vocab_size=self.manifest.target.vocab_size,
+                                    max_context=self.max_context, prompt=prompt, messages=messages,
+                                    input_ids=input_ids, chat=chat, allow_special_tokens=allow_special_tokens)
 
     # --------------------------------------------------------------------- drafting
     def _drafter_and_controller(self, config: GenerationConfig) -> tuple[str | None, Controller | None]:
@@ -310,16 +283,7 @@ class Generator:
 
     # --------------------------------------------------------------------- generation
     def _config(self, config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
-        if config is None:
-            config = GenerationConfig()
-        elif not isinstance(config, GenerationConfig):
-            raise InvalidParameterError(f"config must be a GenerationConfig; got {type(config).__name__}")
-        if overrides:
-            unknown = set(overrides) - set(GenerationConfig.__dataclass_fields__)
-            if unknown:
-                raise InvalidParameterError(f"unknown generation parameter(s) {sorted(unknown)}; known: "
-                                            f"{', '.join(GenerationConfig.__dataclass_fields__)}")
-            config = replace(config, **overrides)
+        config = inputs.resolve_config(config, overrides)
         if config.exact:
             self.check_exact()
         return config
@@ -328,14 +292,7 @@ class Generator:
         """Exact mode needs a target whose 2-row plain steps equal its verify rows bit for bit; export
         checks that on its machine (``extra.exact_steps``). A target recorded without it is refused by
         name rather than silently losing the guarantee (older bundles without the record run)."""
-        record = self.manifest.extra.exact_steps.get("target")
-        if record is not None and not record.bit_identical:
-            raise InvalidParameterError(
-                "exact=True: this bundle's target is not row-invariant (on the machine it was exported on, its "
-                "2-row plain steps differed from verify rows: manifest extra.exact_steps.target.bit_identical is "
-                "false), so exact mode could not keep greedy output token-identical to plain decoding. Re-export "
-                "with `specedge export --exact` (with --tune it keeps only a row-invariant layout) or with the "
-                "default --block-size 32, or run without exact")
+        inputs.check_exact(self.manifest)
 
     def _start(self, ids: list[int], config: GenerationConfig, cancel: Interrupt | None
                ) -> tuple[GenerationResult, Iterator[str]]:
@@ -455,9 +412,7 @@ class Generator:
     def _prefill(self, ids: list[int], config: GenerationConfig) -> tuple[CacheSlot, int, int]:
         """Fill a slot with ``ids`` (under the lock): the slot, the target tokens it already held and
         the draft tokens computed. A forward that raises drops the slot."""
-        if len(ids) >= self.max_context:
-            raise ContextOverflowError(f"prompt of {len(ids)} tokens leaves no room in max_context "
-                                       f"{self.max_context}")
+        inputs.check_prefix_room(ids, self.max_context)
         # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
         # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
         slot, reuse = self.slots.acquire(ids + [-1], config.exact, salt=config.cache_salt,
