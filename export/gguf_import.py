@@ -27,6 +27,17 @@ with ``blocksum(x)`` the sums of x over each block of the input axis ([n, K/bloc
 ``offset = m + zp * d`` is the only rounding (fp32, once). An embedding's offset rows are
 gathered and spread over their blocks by a 0/1 [K/block, K] matrix (exact).
 
+Where every block's offset is an integral multiple of its scale (``offset = scale * (zp - z)``, z in
+the kernel's range), the form takes uint8 zero points instead and needs no offset matmul. llama.cpp's
+quantizers do not aim for it: in the catalog's Q4_K_M and Q4_1 files 0.04-0.27% of blocks are
+integral and no tensor is, so their offsets stay.
+
+A fused weight (q|k|v, gate|up) whose parts have different kernel layouts (Q4_K_M's q/k Q4_K with v
+Q6_K) splits by output rows, one MatMulNBits per layout and a Concat, instead of widening every part
+to the widest bits and smallest block. A tied output layer reads the embedding's own initializer
+(written in MatMulNBits' [vocab, K/block, bytes] shape, which GatherBlockQuantized gathers along its
+last axis) and offsets; only the scales are written twice (the two ops want different ranks).
+
 Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) keeps the fp32 weight of the
 validated graph: where no exact form exists, precision goes up, never down.
 
@@ -56,9 +67,11 @@ QK_K = 256  # elements per K-quant super-block
 
 @dataclass(frozen=True)
 class BlockForm:
-    """A [N, K] weight as ``scale * (q - 2**(bits-1)) + offset`` per block of the input axis.
+    """A [N, K] weight as ``scale * (q - zp) + offset`` per block of the input axis.
 
-    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``, ``offsets`` (or None): [N, K/block] float32.
+    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``, ``offsets`` (or None): [N, K/block]
+    float32; ``zero_points`` (or None): [N, K/block] uint8, the kernel's integer zero points, else
+    ``zp = 2**(bits-1)`` (MatMulNBits' default). A form has offsets or zero points, never both.
     """
 
     q: np.ndarray
@@ -66,10 +79,12 @@ class BlockForm:
     offsets: np.ndarray | None
     bits: int
     block: int
+    zero_points: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, as ONNX Runtime reads the form (the offset added last)."""
-        zp = np.float32(1 << (self.bits - 1))
+        zp = (np.float32(1 << (self.bits - 1)) if self.zero_points is None
+              else self.zero_points.astype(np.float32)[..., None])
         w = self.scales[..., None] * (self.q.astype(np.float32) - zp)
         if self.offsets is not None:
             w = w + self.offsets[..., None]
@@ -81,9 +96,32 @@ class BlockForm:
             return np.ascontiguousarray(self.q)
         return np.ascontiguousarray(self.q[..., 0::2] | (self.q[..., 1::2] << 4))
 
+    def packed_zero_points(self) -> np.ndarray:
+        """[N, ceil(K/block * bits / 8)] uint8: MatMulNBits' zero_points (4 bits: block 2j low nibble)."""
+        z = self.zero_points
+        if self.bits == 8:
+            return np.ascontiguousarray(z)
+        if z.shape[1] % 2:
+            z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
+        return np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))
+
+    def integral(self) -> "BlockForm | None":
+        """The candidate with integer zero points instead of the offsets: z = zp - offset/scale rounded,
+        or None where some z falls outside the kernel's range. The caller keeps it only where it
+        reproduces the dequantized source bit for bit (nothing is rounded to make it fit)."""
+        if self.offsets is None:
+            return None
+        zp = np.float32(1 << (self.bits - 1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.round(zp - self.offsets / self.scales)
+        if not np.isfinite(z).all() or z.min() < 0 or z.max() > (1 << self.bits) - 1:
+            return None
+        return BlockForm(self.q, self.scales, None, self.bits, self.block, z.astype(np.uint8))
+
     def widened(self, bits: int, block: int) -> "BlockForm":
         """The same values at ``bits`` >= self.bits and ``block`` dividing self.block (exact: q moves by
-        the zero points' difference, and each block's scale and offset repeat over its sub-blocks)."""
+        the zero points' difference, and each block's scale and offset repeat over its sub-blocks).
+        Only offset forms widen: zero points are chosen last, on the form a node will hold."""
         q = self.q if bits == self.bits else (self.q + ((1 << (bits - 1)) - (1 << (self.bits - 1)))).astype(np.uint8)
         if block == self.block:
             return BlockForm(q, self.scales, self.offsets, bits, block)
@@ -94,7 +132,18 @@ class BlockForm:
 
     def rows(self, index: np.ndarray) -> "BlockForm":
         off = None if self.offsets is None else self.offsets[index]
-        return BlockForm(self.q[index], self.scales[index], off, self.bits, self.block)
+        zps = None if self.zero_points is None else self.zero_points[index]
+        return BlockForm(self.q[index], self.scales[index], off, self.bits, self.block, zps)
+
+
+def _concat(forms: list[BlockForm]) -> BlockForm:
+    """Forms of one bits and block (offsets, no zero points) stacked along the output axis; a part
+    without offsets gets offset 0."""
+    offsets = None
+    if any(f.offsets is not None for f in forms):
+        offsets = np.concatenate([f.offsets if f.offsets is not None else np.zeros_like(f.scales) for f in forms])
+    return BlockForm(np.concatenate([f.q for f in forms]), np.concatenate([f.scales for f in forms]), offsets,
+                     forms[0].bits, forms[0].block)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -249,9 +298,28 @@ def _reproduces(form: BlockForm, reference: np.ndarray) -> bool:
     return bool((err <= 2 * np.finfo(np.float32).eps * bound).all())
 
 
-def _fused_form(tensors: GgufTensors, names: list[str], reference: np.ndarray,
-                n_heads: int, n_kv_heads: int) -> tuple[BlockForm | None, str]:
-    """The fused form of ``names`` reproducing ``reference`` ([N, K]), or (None, why not)."""
+@dataclass(frozen=True)
+class Part:
+    """Output rows ``start:stop`` of a fused weight, held by one MatMulNBits node in ``form``."""
+
+    start: int
+    stop: int
+    form: BlockForm
+    sources: tuple[str, ...]
+    kinds: str  # their GGUF types, "+"-joined
+
+
+def _fused_forms(tensors: GgufTensors, names: list[str], reference: np.ndarray, n_heads: int, n_kv_heads: int,
+                 zero_points: bool = True) -> tuple[list[Part] | None, str]:
+    """The forms of ``names`` (fused along the output axis) reproducing ``reference`` ([N, K]), or (None, why not).
+
+    Consecutive parts of one kernel layout (bits and block) stay fused in one node; where the layout
+    changes (Q4_K_M's q/k Q4_K with v Q6_K) the weight splits, so q|k keep 4 bits and only v runs at
+    8 bits block 16 (widening the whole q|k|v instead costs about 1.4x its 1-row time). A part whose
+    offsets are all integral multiples of its scales (``BlockForm.integral``) takes integer zero points
+    instead, when that reproduces the reference bit for bit (``zero_points``: MatMulNBits only; the
+    embedding's GatherBlockQuantized keeps offsets, which cost one gathered row there).
+    """
     forms, kinds, start = [], [], 0
     for name in names:
         kinds.append(tensors.kind(name))
@@ -271,15 +339,18 @@ def _fused_form(tensors: GgufTensors, names: list[str], reference: np.ndarray,
         forms.append(form)
     if start != reference.shape[0]:
         return None, f"the fused parts have {start} rows, the weight {reference.shape[0]}"
-    # Parts of one fused weight in different forms (Q4_K_M's q/k Q4_K with v Q6_K) share the widest
-    # bits and the smallest block, both exact widenings.
-    bits, block = max(f.bits for f in forms), min(f.block for f in forms)
-    forms = [f.widened(bits, block) for f in forms]
-    offsets = None
-    if any(f.offsets is not None for f in forms):
-        offsets = np.concatenate([f.offsets if f.offsets is not None else np.zeros_like(f.scales) for f in forms])
-    return BlockForm(np.concatenate([f.q for f in forms]), np.concatenate([f.scales for f in forms]), offsets,
-                     forms[0].bits, forms[0].block), "+".join(sorted(set(kinds)))
+    parts, first, row = [], 0, 0
+    for i in range(1, len(forms) + 1):
+        if i < len(forms) and (forms[i].bits, forms[i].block) == (forms[first].bits, forms[first].block):
+            continue
+        group = _concat(forms[first:i])
+        stop = row + group.q.shape[0]
+        exact = group.integral() if zero_points else None
+        if exact is not None and _reproduces(exact, reference[row:stop]):
+            group = exact
+        parts.append(Part(row, stop, group, tuple(names[first:i]), "+".join(sorted(set(kinds[first:i])))))
+        first, row = i, stop
+    return parts, "+".join(sorted(set(kinds)))
 
 
 def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.ndarray], *, n_layers: int,
@@ -309,80 +380,158 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         w = weights[key] if key in weights else weights["embed"].T  # tied: the head is the embedding
         return np.ascontiguousarray(w.T)  # [out, in]
 
-    def choose(key: str) -> tuple[BlockForm | None, KeptTensor]:
+    def choose(key: str) -> tuple[list[Part] | None, KeptTensor]:
         why, kinds, names = "no GGUF tensor maps to it", "", []
         for names in candidates.get(key, []):
             if any(n not in tensors.tensors for n in names):
                 continue
-            form, kinds = _fused_form(tensors, names, reference(key), n_heads, n_kv_heads)
-            if form is None:
+            if key == "lm_head" and shared_head(names):
+                return parts_of["embed"], record["embed"]
+            parts, kinds = _fused_forms(tensors, names, reference(key), n_heads, n_kv_heads,
+                                        zero_points=key != "embed")
+            if parts is None:
                 why, kinds = kinds, "+".join(sorted({tensors.kind(n) for n in names}))
                 continue
             if key == "lm_head" and head_ids is not None:
-                form = form.rows(head_ids)  # a vocabulary-truncated head keeps these output rows
-            if form.bits == 8 and accuracy_level < 4:
+                # a vocabulary-truncated head keeps these output rows (its one part: one source tensor)
+                parts = [Part(0, len(head_ids), parts[0].form.rows(head_ids), parts[0].sources, parts[0].kinds)]
+            if any(p.form.bits == 8 for p in parts) and accuracy_level < 4:
                 return None, KeptTensor(tuple(names), kinds, "fp32", 0, False,
                                         "8-bit MatMulNBits has no fp32-activation path on CPU: kept fp32 at "
                                         f"accuracy_level {accuracy_level}")
-            return form, KeptTensor(tuple(names), kinds, f"int{form.bits}", form.block, form.offsets is not None, "")
+            form = parts[0].form
+            return parts, KeptTensor(tuple(names), kinds, f"int{form.bits}", form.block,
+                                     form.offsets is not None, "")
         return None, KeptTensor(tuple(names), kinds, "fp32", 0, False, why)
 
+    def shared_head(names: list[str]) -> bool:
+        """A tied head reads the embedding's own blocks (one initializer for both, not a copy): the same
+        GGUF tensor, every output row, and the embedding kept in blocks."""
+        return ("lm_head" not in weights and head_ids is None and parts_of.get("embed") is not None
+                and tuple(names) == record["embed"].sources)
+
+    def const(name: str, array: np.ndarray) -> str:
+        new_inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def blocksum(x: str, block: int, n_blocks: int) -> str:
+        """[..., K] -> [..., K/block] sums over each block, computed once per input and block."""
+        if (x, block) not in sums:
+            tag = f"{x}.gguf_b{block}"
+            shape = const(f"{tag}_shape", np.array([-1, n_blocks, block], np.int64))
+            axes = const(f"{tag}_axes", np.array([-1], np.int64))
+            new_nodes.append(helper.make_node("Reshape", [x, shape], [f"{tag}_blocks"], name=f"{tag}_reshape"))
+            new_nodes.append(helper.make_node("ReduceSum", [f"{tag}_blocks", axes], [f"{tag}_sums"],
+                                              name=f"{tag}_blocksum", keepdims=0))
+            sums[(x, block)] = f"{tag}_sums"
+        return sums[(x, block)]
+
+    def matmul(name: str, x: str, out: str, form: BlockForm, data: str | None, offsets: str | None) -> None:
+        """``out`` = x @ form^T by MatMulNBits (+ blocksum(x) @ offsets). ``data``/``offsets``: initializers
+        already written (a tied head reading the embedding's: offsets [N, K/block], so a Gemm with transB)."""
+        n_out, n_blocks = form.q.shape[0], form.q.shape[1]
+        data = data or const(f"{name}.gguf_q", form.packed())
+        inputs = [x, data, const(f"{name}.gguf_scales", form.scales.astype(np.float32))]
+        if form.zero_points is not None:
+            inputs.append(const(f"{name}.gguf_zero_points", form.packed_zero_points()))
+        main = out if form.offsets is None else f"{name}.gguf_main"
+        new_nodes.append(helper.make_node("MatMulNBits", inputs, [main], name=f"{name}.gguf_matmul",
+                                          domain="com.microsoft", K=n_blocks * form.block, N=n_out, bits=form.bits,
+                                          block_size=form.block, accuracy_level=accuracy_level))
+        if form.offsets is None:
+            return
+        # x @ W = MatMulNBits(x) + blocksum(x) @ offsets: [rows, K/block] @ [K/block, N], broadcast back
+        # onto [1, n, N] / [n, N].
+        xs = blocksum(x, form.block, n_blocks)
+        if offsets is None:
+            off = const(f"{name}.gguf_offsets", np.ascontiguousarray(form.offsets.T.astype(np.float32)))
+            new_nodes.append(helper.make_node("MatMul", [xs, off], [f"{name}.gguf_offset"],
+                                              name=f"{name}.gguf_offset_matmul"))
+        else:
+            flat = const(f"{name}.gguf_flat", np.array([-1, n_blocks], np.int64))
+            new_nodes.append(helper.make_node("Reshape", [xs, flat], [f"{name}.gguf_sums2d"],
+                                              name=f"{name}.gguf_flatten"))
+            new_nodes.append(helper.make_node("Gemm", [f"{name}.gguf_sums2d", offsets], [f"{name}.gguf_offset"],
+                                              name=f"{name}.gguf_offset_gemm", transB=1))
+        new_nodes.append(helper.make_node("Add", [main, f"{name}.gguf_offset"], [out], name=f"{name}.gguf_add"))
+
+    def gather(node, form: BlockForm, shared: bool) -> tuple[str, str | None]:
+        """The embedding as GatherBlockQuantized (+ its offset rows); returns the data and offsets
+        initializers. ``shared``: the tied head reads the same data, so it is written in MatMulNBits'
+        [vocab, K/block, block*bits/8] shape and gathered along its last axis."""
+        n_out, n_blocks = form.q.shape[0], form.q.shape[1]
+        key, ids = node.input[0], node.input[1]
+        if shared:
+            data = const(f"{key}.gguf_q", form.packed())
+            scales = const(f"{key}.gguf_scales3", form.scales.astype(np.float32)[..., None])
+            rows = f"{key}.gguf_rows3"
+        else:
+            data = const(f"{key}.gguf_q", form.packed().reshape(n_out, -1))
+            scales = const(f"{key}.gguf_scales", form.scales.astype(np.float32))
+            rows = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
+        new_nodes.append(helper.make_node("GatherBlockQuantized", [data, ids, scales], [rows],
+                                          name=f"{key}.gguf_gather", domain="com.microsoft", bits=form.bits,
+                                          block_size=form.block, gather_axis=0, quantize_axis=2 if shared else 1))
+        if shared:  # [*ids, K/block, block] -> [*ids, K]
+            flat = rows
+            rows = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
+            shape = const(f"{key}.gguf_row_shape", np.array([0] * id_rank[ids] + [-1], np.int64))
+            new_nodes.append(helper.make_node("Reshape", [flat, shape], [rows], name=f"{key}.gguf_row_reshape"))
+        if form.offsets is None:
+            return data, None
+        # offsets [vocab, K/block] gathered, spread over their blocks by a 0/1 [K/block, K] matrix
+        off = const(f"{key}.gguf_offsets", form.offsets.astype(np.float32))
+        spread = const(f"{key}.gguf_spread", np.repeat(np.eye(n_blocks, dtype=np.float32), form.block, axis=1))
+        new_nodes.extend([helper.make_node("Gather", [off, ids], [f"{key}.gguf_off_rows"], name=f"{key}.gguf_off_gather",
+                                       axis=0),
+                      helper.make_node("MatMul", [f"{key}.gguf_off_rows", spread], [f"{key}.gguf_off_wide"],
+                                       name=f"{key}.gguf_off_spread"),
+                      helper.make_node("Add", [rows, f"{key}.gguf_off_wide"], [node.output[0]], name=f"{key}.gguf_add")])
+        return data, off
+
+    parts_of: dict[str, list[Part] | None] = {}
+    sums: dict[tuple[str, int], str] = {}
+    embed_inits: tuple[str, str | None] | None = None
+    id_rank = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input}
     for node in graph.node:
         key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
         if key is None or key not in inits or (key != "embed" and key not in candidates):
             new_nodes.append(node)
             continue
-        form, kept = choose(key)
-        record[key] = kept
-        if form is None:
+        parts, kept = choose(key)
+        parts_of[key] = parts
+        if parts is None:
+            record[key] = kept
             new_nodes.append(node)
             continue
         dropped.add(key)
-        n_out, n_blocks = form.q.shape[0], form.q.shape[1]
-        k = n_blocks * form.block
-        scales = numpy_helper.from_array(form.scales.astype(np.float32), f"{key}.gguf_scales")
         if node.op_type == "Gather":
-            data = numpy_helper.from_array(form.packed().reshape(n_out, -1), f"{key}.gguf_q")
-            new_inits += [data, scales]
-            out = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
-            new_nodes.append(helper.make_node("GatherBlockQuantized", [data.name, node.input[1], scales.name], [out],
-                                              name=f"{key}.gguf_gather", domain="com.microsoft", bits=form.bits,
-                                              block_size=form.block, gather_axis=0, quantize_axis=1))
-            if form.offsets is not None:
-                # offsets [vocab, K/block] gathered, spread over their blocks by a 0/1 [K/block, K] matrix
-                spread = np.repeat(np.eye(n_blocks, dtype=np.float32), form.block, axis=1)
-                off = numpy_helper.from_array(form.offsets.astype(np.float32), f"{key}.gguf_offsets")
-                spr = numpy_helper.from_array(spread, f"{key}.gguf_spread")
-                new_inits += [off, spr]
-                rows = helper.make_node("Gather", [off.name, node.input[1]], [f"{key}.gguf_off_rows"],
-                                        name=f"{key}.gguf_off_gather", axis=0)
-                wide = helper.make_node("MatMul", [rows.output[0], spr.name], [f"{key}.gguf_off_wide"],
-                                        name=f"{key}.gguf_off_spread")
-                new_nodes += [rows, wide, helper.make_node("Add", [out, wide.output[0]], [node.output[0]],
-                                                           name=f"{key}.gguf_add")]
+            record[key] = kept
+            lm = candidates.get("lm_head", [])
+            tied = next((names for names in lm if all(n in tensors.tensors for n in names)), None)
+            share = (tied is not None and tuple(tied) == kept.sources and "lm_head" not in weights
+                     and head_ids is None and node.input[1] in id_rank)
+            embed_inits = gather(node, parts[0].form, share)
+            if share:
+                note("the tied output layer reads the embedding's blocks (one copy)")
+            else:
+                embed_inits = None
             continue
-        data = numpy_helper.from_array(form.packed(), f"{key}.gguf_q")
-        new_inits += [data, scales]
-        x = node.input[0]
-        out = node.output[0] if form.offsets is None else f"{key}.gguf_main"
-        new_nodes.append(helper.make_node("MatMulNBits", [x, data.name, scales.name], [out], name=f"{key}.gguf_matmul",
-                                          domain="com.microsoft", K=k, N=n_out, bits=form.bits,
-                                          block_size=form.block, accuracy_level=accuracy_level))
-        if form.offsets is not None:
-            # x @ W = MatMulNBits(x) + blocksum(x) @ offsets: [rows, K/block] @ [K/block, N], broadcast back
-            # onto [1, n, N] / [n, N].
-            shape = numpy_helper.from_array(np.array([-1, n_blocks, form.block], np.int64), f"{key}.gguf_blocks")
-            axes = numpy_helper.from_array(np.array([-1], np.int64), f"{key}.gguf_axes")
-            off = numpy_helper.from_array(np.ascontiguousarray(form.offsets.T.astype(np.float32)),
-                                          f"{key}.gguf_offsets")
-            new_inits += [shape, axes, off]
-            nodes = [helper.make_node("Reshape", [x, shape.name], [f"{key}.gguf_x_blocks"], name=f"{key}.gguf_reshape"),
-                     helper.make_node("ReduceSum", [f"{key}.gguf_x_blocks", axes.name], [f"{key}.gguf_x_sums"],
-                                      name=f"{key}.gguf_blocksum", keepdims=0),
-                     helper.make_node("MatMul", [f"{key}.gguf_x_sums", off.name], [f"{key}.gguf_offset"],
-                                      name=f"{key}.gguf_offset_matmul"),
-                     helper.make_node("Add", [out, f"{key}.gguf_offset"], [node.output[0]], name=f"{key}.gguf_add")]
-            new_nodes += nodes
+        if key == "lm_head" and parts is parts_of.get("embed") and embed_inits is not None:
+            record[key] = kept
+            matmul(key, node.input[0], node.output[0], parts[0].form, *embed_inits)
+            continue
+        if len(parts) == 1:
+            record[key] = kept
+            matmul(key, node.input[0], node.output[0], parts[0].form, None, None)
+            continue
+        for i, part in enumerate(parts):
+            form = part.form
+            record[f"{key}[{part.start}:{part.stop}]"] = KeptTensor(part.sources, part.kinds, f"int{form.bits}",
+                                                                    form.block, form.offsets is not None, "")
+            matmul(f"{key}.part{i}", node.input[0], f"{key}.gguf_part{i}", form, None, None)
+        new_nodes.append(helper.make_node("Concat", [f"{key}.gguf_part{i}" for i in range(len(parts))],
+                                          [node.output[0]], name=f"{key}.gguf_concat", axis=-1))
     read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
     kept_inits = [t for t in graph.initializer if t.name not in dropped or t.name in read]
     del graph.node[:]

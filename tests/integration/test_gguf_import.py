@@ -71,7 +71,7 @@ def test_onnx_runtime_reads_the_forms_as_numpy_does(kind, accuracy_level):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from specedge.export.gguf_import import _decode, import_gguf  # noqa: F401 (the module under test)
+    from specedge.export.gguf_import import _decode
 
     rng = np.random.default_rng(7)
     raw = _random_blocks(kind, 48, 2, rng)  # 48 outputs, K = 512
@@ -138,8 +138,16 @@ def test_an_int4_export_of_a_gguf_keeps_its_blocks_and_records_each_weight(gguf_
     source, bundles = gguf_export
     manifest = load_manifest(bundles["int4"])
     kept = manifest.extra.gguf_import["target"]
-    assert kept["layers.0.qkv"].format == "Q4_K+Q6_K" and kept["layers.0.qkv"].kept == "int8"
-    assert (kept["layers.0.qkv"].block_size, kept["layers.0.qkv"].offset) == (16, True)  # widened to Q6_K's form
+    # q|k (Q4_K) and v (Q6_K) have different kernel layouts: the fused weight splits by output rows
+    # instead of widening q|k to 8 bits, and a Concat joins the parts.
+    entry = manifest.target
+    qk = (entry.n_heads + entry.n_kv_heads) * entry.head_dim
+    total = qk + entry.n_kv_heads * entry.head_dim
+    assert "layers.0.qkv" not in kept
+    q_k, v = kept[f"layers.0.qkv[0:{qk}]"], kept[f"layers.0.qkv[{qk}:{total}]"]
+    assert (q_k.sources, q_k.format, q_k.kept, q_k.block_size, q_k.offset) == (
+        ("blk.0.attn_q.weight", "blk.0.attn_k.weight"), "Q4_K", "int4", 32, True)
+    assert (v.sources, v.format, v.kept, v.block_size, v.offset) == (("blk.0.attn_v.weight",), "Q6_K", "int8", 16, False)
     assert (kept["layers.1.o"].kept, kept["layers.1.o"].block_size, kept["layers.1.o"].offset) == ("int4", 32, True)
     assert (kept["layers.0.gate_up"].kept, kept["layers.0.gate_up"].offset) == ("int4", False)
     assert (kept["layers.0.down"].format, kept["layers.0.down"].kept) == ("Q5_0", "int8")
@@ -158,6 +166,8 @@ def test_an_int4_export_of_a_gguf_keeps_its_blocks_and_records_each_weight(gguf_
     head = tensors.form("output.weight")
     assert np.array_equal(inits["lm_head.gguf_q"], head.packed())
     assert not any(n.op_type == "MatMul" and n.input[1] in kept for n in model.graph.node), "a weight stayed fp32"
+    assert sum(n.op_type == "Concat" and n.name.endswith("qkv.gguf_concat") for n in model.graph.node) == 2
+    _assert_no_requantization(model, manifest.extra.gguf_import["target"], source)
 
 
 def test_the_imported_graph_computes_the_dequantized_gguf(gguf_export):
@@ -196,3 +206,182 @@ def test_int8_of_a_gguf_would_requantize_and_must_be_asked_for(gguf_export, tmp_
     with pytest.raises(ExportError, match=r"already quantized: --precision int4 keeps .* --requantize"):
         export_bundle(ExportConfig(target=str(source), out=tmp_path / "b", precision="int8", quiet=True,
                                    max_context=CONTEXT))
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """[rows, ..., bytes] uint8 -> [rows, count] values (4 bits: low nibble first)."""
+    flat = packed.reshape(packed.shape[0], -1)
+    if bits == 4:
+        flat = np.stack([flat & 15, flat >> 4], axis=-1).reshape(flat.shape[0], -1)
+    return flat[:, :count]
+
+
+def _node_weight(name: str, nodes: dict, inits: dict) -> np.ndarray:
+    """The [N, K] float32 weight one MatMulNBits node (named ``{name}.gguf_matmul``) computes with,
+    read back from its initializers in numpy: scales * (q - zero point) (+ its fp32 offsets)."""
+    node = nodes[f"{name}.gguf_matmul"]
+    attrs = {a.name: a.i for a in node.attribute}
+    bits, block, n, k = attrs["bits"], attrs["block_size"], attrs["N"], attrs["K"]
+    q = _unpack(inits[node.input[1]], bits, k).reshape(n, k // block, block).astype(np.float32)
+    scales = inits[node.input[2]].reshape(n, k // block)
+    zp = (_unpack(inits[node.input[3]], bits, k // block).astype(np.float32)[..., None] if len(node.input) > 3
+          else np.float32(1 << (bits - 1)))
+    w = scales[..., None] * (q - zp)
+    if f"{name}.gguf_offset_matmul" in nodes:
+        w = w + inits[nodes[f"{name}.gguf_offset_matmul"].input[1]].T[..., None]
+    elif f"{name}.gguf_offset_gemm" in nodes:  # a tied head reading the embedding's [vocab, K/block] offsets
+        w = w + inits[nodes[f"{name}.gguf_offset_gemm"].input[1]][..., None]
+    return w.reshape(n, k)
+
+
+def _assert_no_requantization(model, kept: dict, source) -> None:
+    """Every MatMulNBits weight of the graph equals the GGUF's own tensors as the ``gguf`` package
+    dequantizes them (fused along the output axis): bit for bit without offsets, to fp32 rounding of the
+    offset with them. Nothing was rounded again."""
+    import gguf
+    import onnx
+
+    reader = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node}
+    checked = 0
+    for key, record in kept.items():
+        if record.kept == "fp32" or key == "embed":
+            continue
+        base, _, rows = key.partition("[")
+        name = base
+        if rows:  # a split part: "{key}[start:stop]" is node "{key}.part{i}", parts in row order
+            starts = sorted(int(k.partition("[")[2].split(":")[0]) for k in kept if k.startswith(base + "["))
+            name = f"{base}.part{starts.index(int(rows.split(':')[0]))}"
+        ref = np.concatenate([gguf.dequantize(reader[s].data, reader[s].tensor_type).reshape(
+            int(reader[s].shape[1]), -1) for s in record.sources]).astype(np.float32)
+        got = _node_weight(name, nodes, inits)
+        if record.offset:
+            assert np.abs(got - ref).max() <= 8 * np.finfo(np.float32).eps * np.abs(ref).max(), key
+        else:
+            assert np.array_equal(got, ref), key
+        checked += 1
+    assert checked > 0
+
+
+def _logit_scale(bundle, manifest) -> float:
+    """The largest |logit| the bundle's target gives on PROMPT_IDS (what tolerances are relative to)."""
+    from specedge.engines.base import EngineOptions
+    from specedge.engines.ort import OrtEngine
+
+    engine = OrtEngine(manifest.target, bundle / manifest.target.graph, EngineOptions())
+    ids = np.array(PROMPT_IDS, np.int64) % manifest.target.vocab_size
+    return float(np.abs(engine.forward(ids, engine.new_cache(), num_logits=len(ids))).max())
+
+
+ALL = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+       "ffn_down.weight", "token_embd.weight", "output.weight")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_each_type_is_exported_as_its_own_blocks(kind, tiny_model, tmp_path):
+    """A tiny GGUF all in ``kind``: every weight is kept in the file's blocks (no fp32 left, nothing
+    requantized), and the logits equal the dequantized GGUF's: to float rounding where the kernel has an
+    fp32-activation path (4-bit forms at accuracy_level 1), within its int8 activations at level 4 (8-bit)."""
+    import onnx
+
+    from specedge.bundle.manifest import load_manifest
+    from specedge.export.bundle import ExportConfig, export_bundle
+
+    four_bit = kind in ("Q4_0", "Q4_1", "Q4_K")
+    level = 1 if four_bit else 4
+    source = write_gguf(tiny_model("qwen3", seed=0, config=SHAPE), tmp_path / f"tiny-{kind}.gguf",
+                        types={name: kind for name in ALL}, seed=TYPES.index(kind))
+    bundle = tmp_path / "b"
+    export_bundle(ExportConfig(target=str(source), out=bundle, precision="int4", quiet=True, max_context=CONTEXT,
+                               accuracy_level=level))
+    manifest = load_manifest(bundle)
+    kept = manifest.extra.gguf_import["target"]
+    assert all(k.kept == f"int{4 if four_bit else 8}" and k.format == kind for k in kept.values()), kept
+    assert "layers.0.qkv" in kept and "layers.0.gate_up" in kept  # one layout: the fused weights stay fused
+    model = onnx.load(str(bundle / manifest.target.graph))
+    assert not any(n.op_type in ("MatMul", "Gather") and n.input[1 if n.op_type == "MatMul" else 0] in kept
+                   for n in model.graph.node), "a weight stayed fp32"
+    _assert_no_requantization(model, kept, source)
+    scale = _logit_scale(bundle, manifest)
+    record = manifest.extra.validation["target:int4-vs-fp32"]
+    assert record.max_abs_diff <= (1e-4 if four_bit else 3e-2) * scale, (record.max_abs_diff, scale)
+    assert record.top1_agreement >= (1.0 if four_bit else 0.9)
+
+
+def _integral_q4_1(data: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Q4_1 blocks whose minimum is an integral multiple of the scale (m = -z*d, z in 0..15, exact in fp16):
+    the scale keeps 4 mantissa bits so z*d fits fp16 (llama.cpp never promises this; a file may have it)."""
+    import gguf
+
+    raw = gguf.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+    blocks = raw.reshape(data.shape[0], -1, 20).copy()
+    d = (blocks[..., 0:2].copy().view(np.uint16) & np.uint16(0xFFC0)).view(np.float16)  # [rows, blocks, 1]
+    m = blocks[..., 2:4].copy().view(np.float16)
+    z = np.clip(np.round(-m.astype(np.float32) / np.maximum(d.astype(np.float32), 1e-8)), 0, 15)
+    blocks[..., 0:2] = d.view(np.uint8)
+    blocks[..., 2:4] = (-(z * d.astype(np.float32))).astype(np.float16).view(np.uint8)
+    return blocks.reshape(data.shape[0], -1)
+
+
+def test_integral_offsets_become_integer_zero_points(tiny_model, tmp_path, monkeypatch):
+    """Q4_1 blocks whose offsets are integral multiples of their scales run as MatMulNBits with uint8 zero
+    points (no fp32 offset matmul), and still compute the dequantized GGUF to float rounding."""
+    import onnx
+
+    import tiny_models
+    from specedge.bundle.manifest import load_manifest
+    from specedge.export.bundle import ExportConfig, export_bundle
+
+    plain = tiny_models._gguf_blocks
+    monkeypatch.setattr(tiny_models, "_gguf_blocks",
+                        lambda data, kind, rng: _integral_q4_1(data, kind, rng) if kind == "Q4_1"
+                        else plain(data, kind, rng))
+    types = {name: "Q4_1" for name in ALL if name != "token_embd.weight"}
+    source = write_gguf(tiny_model("qwen3", seed=0, config=SHAPE), tmp_path / "tiny-integral.gguf", types=types)
+    bundle = tmp_path / "b"
+    export_bundle(ExportConfig(target=str(source), out=bundle, precision="int4", quiet=True, max_context=CONTEXT,
+                               accuracy_level=1))
+    manifest = load_manifest(bundle)
+    kept = manifest.extra.gguf_import["target"]
+    model = onnx.load(str(bundle / manifest.target.graph))
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and all(len(n.input) == 4 and n.input[3].endswith("gguf_zero_points") for n in nodes)
+    assert not any("offset" in n.name for n in model.graph.node)
+    assert all(not k.offset and k.kept == "int4" for key, k in kept.items() if key != "embed")  # embed: F32
+    _assert_no_requantization(model, kept, source)
+    record = manifest.extra.validation["target:int4-vs-fp32"]
+    assert record.top1_agreement == 1.0 and record.max_abs_diff <= 1e-4 * _logit_scale(bundle, manifest)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_a_tied_output_layer_reads_the_embeddings_blocks(kind, tiny_model, tmp_path):
+    """A tied GGUF (one token_embd tensor) writes its blocks once: GatherBlockQuantized and the head's
+    MatMulNBits read the same initializer (and, for an affine type, the same offsets), and the logits
+    equal the dequantized GGUF's."""
+    import onnx
+
+    from specedge.bundle.manifest import load_manifest
+    from specedge.export.bundle import ExportConfig, export_bundle
+    from tiny_models import gemma_tokens
+
+    folder = tiny_model("gemma3_text", seed=3, vocab_size=len(gemma_tokens()))
+    source = write_gguf(folder, tmp_path / f"tied-{kind}.gguf", types={"token_embd.weight": kind})
+    bundle = tmp_path / "b"
+    level = 1 if kind == "Q4_1" else 4
+    export_bundle(ExportConfig(target=str(source), out=bundle, precision="int4", quiet=True, max_context=CONTEXT,
+                               accuracy_level=level))
+    manifest = load_manifest(bundle)
+    kept = manifest.extra.gguf_import["target"]
+    assert kept["lm_head"].sources == kept["embed"].sources == ("token_embd.weight",)
+    model = onnx.load(str(bundle / manifest.target.graph))
+    nodes = {n.name: n for n in model.graph.node}
+    gather, head = nodes["embed.gguf_gather"], nodes["lm_head.gguf_matmul"]
+    assert gather.input[0] == head.input[1] == "embed.gguf_q"
+    assert not any(t.name == "lm_head.gguf_q" for t in model.graph.initializer)
+    if kind == "Q4_1":
+        assert nodes["lm_head.gguf_offset_gemm"].input[1] == nodes["embed.gguf_off_gather"].input[0]
+    _assert_no_requantization(model, kept, source)
+    record = manifest.extra.validation["target:int4-vs-fp32"]
+    assert record.max_abs_diff <= (1e-4 if level == 1 else 3e-2) * _logit_scale(bundle, manifest)
+    assert record.top1_agreement >= (1.0 if level == 1 else 0.9)
