@@ -19,6 +19,7 @@ key                         type                                        written 
 ``quant_tuning``            role -> :class:`QuantTuning`                 ``export --tune`` (block size)
 ``gguf_import``             role -> weight -> :class:`KeptTensor`        export of a GGUF (file's quantization)
 ``quality``                 :class:`QualityRecord`                       export (a short ``specedge eval``)
+``quantization``            role -> :class:`QuantMix`                    export of a float source at int4/int8
 ==========================  ==========================================  ================================
 
 An unknown key, or a malformed value, is a :class:`~specedge.errors.ManifestError` (a
@@ -312,6 +313,89 @@ class KeptTensor:
         return cls(sources=tuple(sources), format=read_field(obj, "format", where, str), kept=kept, block_size=block,
                    offset=read_field(obj, "offset", where, bool),
                    reason=read_field(obj, "reason", where, str, optional=True, default=""))
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """How export quantized one graph weight of a float source (export/mixquant.py ``TensorQuant``).
+
+    ``bits``: 4 or 8; ``block_size``: input-axis elements per scale; ``symmetric``: no zero points
+    (else uint8 zero points, ``bits`` wide, one per block); ``method``: "rtn" (each block's min/max
+    range) or "search" (each block's scale and zero point chosen for the least squared error);
+    ``elements``: the weight's element count (bits per weight are computed from it).
+    """
+
+    bits: int
+    block_size: int
+    symmetric: bool
+    method: str
+    elements: int
+
+    METHODS = ("rtn", "search")
+    FIELDS = ("bits", "block_size", "symmetric", "method", "elements")
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per element: integers, an fp32 scale per block, a ``bits``-wide zero point if asymmetric."""
+        return self.bits + (32 + (0 if self.symmetric else self.bits)) / self.block_size
+
+    def describe(self) -> str:
+        return f"int{self.bits}/{self.block_size} {'sym' if self.symmetric else 'asym'} {self.method}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "QuantizedTensor":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, cls.FIELDS, where)
+        bits = read_field(obj, "bits", where, int)
+        if bits not in (4, 8):
+            raise ManifestError(f"manifest field '{where}.bits' must be 4 or 8, got {show(bits)}")
+        block = read_field(obj, "block_size", where, int)
+        if block < 1:
+            raise ManifestError(f"manifest field '{where}.block_size' must be >= 1, got {block}")
+        method = read_field(obj, "method", where, str)
+        if method not in cls.METHODS:
+            raise ManifestError(f"manifest field '{where}.method' must be one of {', '.join(cls.METHODS)}, "
+                                f"got {show(method)}")
+        elements = read_field(obj, "elements", where, int)
+        if elements < 0:
+            raise ManifestError(f"manifest field '{where}.elements' must be >= 0, got {elements}")
+        return cls(bits=bits, block_size=block, symmetric=read_field(obj, "symmetric", where, bool), method=method,
+                   elements=elements)
+
+
+@dataclass(frozen=True)
+class QuantMix:
+    """A float source's per-tensor quantization (``export --quant-mix``): the mix's name and, per
+    graph weight (``layers.3.qkv``, ``lm_head``, ``embed``), its :class:`QuantizedTensor`."""
+
+    mix: str
+    tensors: dict[str, QuantizedTensor]
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per element over every quantized weight (0.0 when none)."""
+        total = sum(t.elements for t in self.tensors.values())
+        return sum(t.bits_per_weight() * t.elements for t in self.tensors.values()) / total if total else 0.0
+
+    def summary(self) -> str:
+        """'mix: N x int4/32 asym search, ...; X.XX bits per weight'."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.describe()] = counts.get(t.describe(), 0) + 1
+        forms = ", ".join(f"{n} x {d}" for d, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        return f"{self.mix}: {forms}; {self.bits_per_weight():.2f} bits per weight"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mix": self.mix, "tensors": {k: t.to_dict() for k, t in self.tensors.items()}}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> "QuantMix":
+        check_type(obj, where, dict)
+        refuse_unknown(obj, ("mix", "tensors"), where)
+        tensors = read_field(obj, "tensors", where, dict)
+        return cls(mix=read_field(obj, "mix", where, str),
+                   tensors={str(k): QuantizedTensor.from_dict(v, f"{where}.tensors.{k}") for k, v in tensors.items()})
 
 
 # --------------------------------------------------------------------------- quantization tuning
@@ -673,9 +757,10 @@ class ManifestExtra:
     quant_tuning: dict[str, QuantTuning] = field(default_factory=dict)
     gguf_import: dict[str, dict[str, KeptTensor]] = field(default_factory=dict)  # role -> graph weight -> record
     quality: QualityRecord | None = None
+    quantization: dict[str, QuantMix] = field(default_factory=dict)  # role -> per-tensor forms (float sources)
 
     KEYS = ("validation", "batch_variance", "exact_steps", "context_warnings", "unknown_config_fields",
-            "export_seconds", "cost_profile", "engines", "quant_tuning", "gguf_import", "quality")
+            "export_seconds", "cost_profile", "engines", "quant_tuning", "gguf_import", "quality", "quantization")
 
     def target_batch_variance(self) -> float | None:
         """The target's measured batch variance (the near-tie gap's basis), None when not recorded."""
@@ -706,6 +791,8 @@ class ManifestExtra:
                                   for role, kept in self.gguf_import.items()}
         if self.quality is not None:
             out["quality"] = self.quality.to_dict()
+        if self.quantization:
+            out["quantization"] = {role: r.to_dict() for role, r in self.quantization.items()}
         return out
 
     @classmethod
@@ -738,6 +825,7 @@ class ManifestExtra:
         profile = obj.get("cost_profile")
         kept = _role_map(sub("gguf_import"), f"{where}.gguf_import")
         quality = obj.get("quality")
+        quantization = _role_map(sub("quantization"), f"{where}.quantization")
         return cls(
             validation={str(k): _validation_entry(v, f"{where}.validation.{k}") for k, v in validation.items()},
             batch_variance={role: finite(v, f"{where}.batch_variance.{role}") for role, v in variance.items()},
@@ -752,4 +840,5 @@ class ManifestExtra:
                                 for k, r in check_type(v, f"{where}.gguf_import.{role}", dict).items()}
                          for role, v in kept.items()},
             quality=QualityRecord.from_dict(quality, f"{where}.quality") if quality is not None else None,
+            quantization={role: QuantMix.from_dict(v, f"{where}.quantization.{role}") for role, v in quantization.items()},
         )

@@ -18,6 +18,7 @@ import click
 from .. import __version__
 from ..errors import SpecedgeError
 from ..bundle.extra import ROUTES
+from ..export.mixquant import DEFAULT_MIX, MIXES
 from ..export.tensorrt import BUILD_PRECISIONS, ENGINES
 from ..bundle.manifest import ATTENTIONS, PRECISIONS
 from .options import Local, config_from, generation_options, load_from, load_options, shared_option
@@ -168,6 +169,10 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--requantize", is_flag=True, help="GGUF sources: round the file's dequantized weights again to "
               "symmetric blocks at --precision's bits and --block-size (what int4 did before it kept the file's "
               "quantization; int8 of a GGUF needs this flag).")
+@click.option("--quant-mix", type=click.Choice(list(MIXES)), default=DEFAULT_MIX, show_default=True,
+              help="int4 of a float source (or with --requantize): each weight's form. "
+              + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
+              + ". The manifest records each weight's bits, block and symmetry (`specedge info`).")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
 @click.option("--engine", type=click.Choice(ENGINES), default="onnxruntime", show_default=True,
               help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
@@ -187,7 +192,7 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, requantize, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
+           accuracy_level, attention, requantize, quant_mix, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
            as_json) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
@@ -206,7 +211,8 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         draft_layers=draft_layers, draft_vocab=draft_vocab,
         max_context=max_context, max_draft_tokens=max_draft_tokens,
         block_size=32 if block_size is None else block_size, tune_block_size=tune and block_size is None, exact=exact,
-        accuracy_level=accuracy_level, attention=attention, requantize=requantize, trust_pickle=trust_pickle,
+        accuracy_level=accuracy_level, attention=attention, requantize=requantize, quant_mix=quant_mix,
+        trust_pickle=trust_pickle,
         overwrite=overwrite,
         quiet=quiet))
     if engine == "tensorrt":
@@ -348,6 +354,8 @@ def info(bundle: Path, as_json: bool, **kw) -> None:
     click.echo(f"  speculation: drafter {s.drafter}, k {s.draft_tokens} (max {s.max_draft_tokens}), "
                f"adaptive {s.adaptive}")
     click.echo("  tuning: " + _tuning_line(manifest.extra))
+    for role, mix in manifest.extra.quantization.items():
+        click.echo(f"  {role} quantization: {mix.summary()}")
     for role, tuning in manifest.extra.quant_tuning.items():
         click.echo(f"  {role} block size: " + _quant_tuning_line(tuning))
     click.echo("  quality: " + _quality_line(manifest.extra.quality))

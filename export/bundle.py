@@ -20,13 +20,15 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
-from ..bundle.extra import ComparisonRecord, KeptTensor, ManifestExtra, QuantTuning, ValidationRecord
+from ..bundle.extra import (ComparisonRecord, KeptTensor, ManifestExtra, QuantizedTensor, QuantMix, QuantTuning,
+                            ValidationRecord)
 from ..errors import ExportError, InvalidParameterError, VocabMismatchError
 from ..bundle.manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECISIONS, Manifest, ModelEntry, ModelIO,
                         SpeculationDefaults, TokenizerEntry, file_record, write_manifest)
 from ..runtime.drafters import DEFAULT_DRAFTER
 from ..runtime.loading import load_codec
 from .leftovers import is_stale, pid_after
+from .mixquant import DEFAULT_MIX, MIXES
 from .tokenizer_parity import added_bos, check_parity, source_tokenizer
 
 SELF_DRAFTS = ("self-int4", "self-int8")
@@ -65,6 +67,9 @@ class ExportConfig:
     # A GGUF source at int4 keeps the file's own quantization (export/gguf_import.py); True rounds its
     # dequantized weights again, to symmetric blocks at --precision's bits (the way an HF checkpoint is).
     requantize: bool = False
+    # int4 from a float source (or --requantize): the per-tensor mix (export/mixquant.py MIXES); the
+    # default is the best quality per byte measured (docs/results/2026-12-06-float-quantization.md).
+    quant_mix: str = DEFAULT_MIX
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
@@ -77,6 +82,8 @@ class ExportConfig:
                                         f">= 1; got {self.draft_layers} with draft {self.draft!r}")
         if self.draft_vocab is not None and (self.draft_vocab < 16 or self.draft is None):
             raise InvalidParameterError(f"draft_vocab needs a draft and must be >= 16; got {self.draft_vocab}")
+        if self.quant_mix not in MIXES:
+            raise InvalidParameterError(f"quant_mix must be one of {', '.join(MIXES)}; got {self.quant_mix!r}")
         if self.attention not in ATTENTIONS:
             raise InvalidParameterError(f"attention must be {' or '.join(ATTENTIONS)}; got {self.attention!r}")
         if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -142,6 +149,7 @@ class _ModelExporter:
         self.batch_variance: dict[str, float] = {}  # role -> max |verify - step| logit difference
         self.quant_tuning: dict[str, QuantTuning] = {}  # role -> the block-size choice (export --tune)
         self.gguf_import: dict[str, dict[str, KeptTensor]] = {}  # role -> what each weight kept of the GGUF
+        self.quantization: dict[str, QuantMix] = {}  # role -> each weight's form (float source quantized here)
 
     def _variant(self, layers: int | None, head_ids: np.ndarray | None):
         """Spec and weights of an early-exit and/or vocabulary-truncated copy of this model."""
@@ -210,15 +218,28 @@ class _ModelExporter:
             files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
                                              head_file)
         else:
-            self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size})")
+            mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
+            self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size}, mix {mix})")
+            chosen: dict = {}
             files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
-                                                                 accuracy_level=cfg.accuracy_level))
+                                                                 accuracy_level=cfg.accuracy_level),
+                                   plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen)
+            self.quantization[role] = _quant_record(mix, chosen)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         self.progress(f"{role}: comparing {precision} with fp32")
         self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
         self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)
         return entry
+
+    def _plan(self, bits: int, n_layers: int, block: int):
+        """The per-tensor plan for ``--quant-mix`` at int4 (None: ONNX Runtime's own symmetric rounding, the
+        layout of int8 and of mix rtn-sym4, byte for byte)."""
+        from .mixquant import make_plan
+
+        if bits != 4 or self.config.quant_mix == "rtn-sym4":
+            return None
+        return make_plan(self.config.quant_mix, n_layers, block)
 
     def _gguf_to_keep(self, precision: str) -> Path | None:
         """The GGUF file whose quantization an int4 export keeps, or None (an HF source, or --requantize).
@@ -242,13 +263,15 @@ class _ModelExporter:
 
         cfg = self.config
         scratch = src_graph.parent
-        candidates, files = [], {}
+        candidates, files, chosen = [], {}, {}
         for block in CANDIDATE_BLOCKS:
             folder = scratch / f"block{block}"
             folder.mkdir()
             self.progress(f"tune: quantizing {role} at block {block}")
+            chosen[block] = {}
             files[block] = quantize_graph(src_graph, folder / graph.name,
-                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level))
+                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
+                                          plan=self._plan(bits, spec.n_layers, block), chosen=chosen[block])
             entry = self._entry(role, files[block], source, precision, "float32", spec=spec, head_file=head_file)
             candidates.append(Candidate(block, entry, files[block][0]))
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
@@ -256,6 +279,7 @@ class _ModelExporter:
         tuning = tune_block_size(candidates, src_entry, src_graph, prompts, max_verify=cfg.max_draft_tokens + 1,
                                  threads=cfg.tune_threads, role=role, exact=cfg.exact, progress=self.progress)
         self.quant_tuning[role] = tuning
+        self.quantization[role] = _quant_record(cfg.quant_mix if bits == 4 else "rtn-sym8", chosen[tuning.chosen])
         measured = "; ".join(f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
                              f"{c.greedy_agreement:.3f}{'' if c.bit_identical or not tuning.exact_required else ', NOT exact'}"
                              for c in tuning.candidates)
@@ -277,6 +301,13 @@ class _ModelExporter:
         if head_file is not None:
             entry = replace(entry, head_tokens=str(head_file.relative_to(self.root)), head_size=spec.vocab_size)
         return entry
+
+
+def _quant_record(mix: str, chosen: dict) -> QuantMix:
+    """The manifest's record of a quantized graph: weight name -> (TensorQuant, elements) as QuantizedTensor."""
+    return QuantMix(mix, {name: QuantizedTensor(form.bits, form.block, form.symmetric,
+                                                "search" if form.search else "rtn", elements)
+                          for name, (form, elements) in chosen.items()})
 
 
 def draft_head_tokens(tokenizer, vocab_size: int, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
@@ -399,6 +430,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         variance = dict(target_exp.batch_variance)
         quant_tuning = dict(target_exp.quant_tuning)
         gguf_kept = dict(target_exp.gguf_import)
+        quantization = dict(target_exp.quantization)
         warned = {"target": target_exp.context_warning} if target_exp.context_warning else {}
         unknown = {"target": tuple(target_exp.features.unknown_fields)} if target_exp.features.unknown_fields else {}
         # The runtime's plain steps run 2 rows so speculation stays exact (engines/invariant.py):
@@ -423,6 +455,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             reports.update(target_exp.reports)
             quant_tuning.update(target_exp.quant_tuning)
             gguf_kept.update(target_exp.gguf_import)
+            quantization.update(target_exp.quantization)
             variance.update(target_exp.batch_variance)
         # A short `specedge eval` while the source is in memory for validation anyway (export/quality.py).
         from .quality import export_quality
@@ -447,6 +480,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             reports.update(draft_exp.reports)
             quant_tuning.update(draft_exp.quant_tuning)
             gguf_kept.update(draft_exp.gguf_import)
+            quantization.update(draft_exp.quantization)
             variance.update(draft_exp.batch_variance)
             if draft_exp.context_warning:
                 warned["draft"] = draft_exp.context_warning
@@ -470,7 +504,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
             files=files, created_by=f"specedge {__version__}",
             extra=ManifestExtra(validation=reports, batch_variance=variance, exact_steps=exact,
                                 quant_tuning=quant_tuning, context_warnings=warned, unknown_config_fields=unknown,
-                                gguf_import=gguf_kept,
+                                gguf_import=gguf_kept, quantization=quantization,
                                 export_seconds=round(time.perf_counter() - started, 1), quality=quality),
         )
         write_manifest(tmp, manifest)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from .mixquant import Plan, TensorQuant
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,19 @@ class QuantConfig:
             raise InvalidParameterError(f"accuracy_level must be 0..4; got {self.accuracy_level}")
 
 
-def quantize_graph(src: Path, dst: Path, config: QuantConfig = QuantConfig()) -> list[Path]:
+def quantize_graph(src: Path, dst: Path, config: QuantConfig = QuantConfig(), *, plan: "Plan | None" = None,
+                   chosen: "dict[str, tuple[TensorQuant, int]] | None" = None) -> list[Path]:
     """Rewrite every MatMul with a constant weight in ``src`` as MatMulNBits; write ``dst`` (+ .data).
 
     ONNX Runtime's quantizer rewrite, one weight at a time (export/rtn.py): the same graph as
-    ``MatMulNBitsQuantizer`` over the loaded model, in about one fp32 weight of memory.
+    ``MatMulNBitsQuantizer`` over the loaded model, in about one fp32 weight of memory. With
+    ``plan`` (export/mixquant.py ``make_plan``), each weight takes its own form instead of
+    ``config``'s bits, block and symmetry. ``chosen`` receives weight name -> (form, element count)
+    either way.
     """
     from .rtn import quantize_streaming
 
-    # ORT quantizes Gather to 4 bits only; 8-bit bundles keep fp32 embeddings.
+    # ORT quantizes Gather to 4 bits only; 8-bit bundles keep fp32 embeddings (a plan may quantize them).
     return quantize_streaming(src, dst, bits=config.bits, block_size=config.block_size, symmetric=config.symmetric,
-                              accuracy_level=config.accuracy_level, quantize_embeddings=config.quantize_embeddings)
+                              accuracy_level=config.accuracy_level, quantize_embeddings=config.quantize_embeddings,
+                              plan=plan, chosen=chosen)

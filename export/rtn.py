@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .mixquant import Plan, TensorQuant
 
 _EXTERNAL_THRESHOLD = 1024  # tensors above this many bytes go to the data file (as export/graph.py)
 _ALIGN = 64  # data offsets SIMD-aligned, as export/graph.py writes them
@@ -111,13 +114,21 @@ def _read(tensor, src_dir: Path, rows: slice | None = None) -> np.ndarray:
 
 
 def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
-                       quantize_embeddings: bool) -> list[Path]:
+                       quantize_embeddings: bool, plan: "Plan | None" = None,
+                       chosen: "dict[str, tuple[TensorQuant, int]] | None" = None) -> list[Path]:
     """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
 
     MatMul nodes with a constant 2-D weight become MatMulNBits at ``bits``; with ``quantize_embeddings``
     and 4 bits, a Gather over a constant table becomes GatherBlockQuantized (ORT quantizes Gather at 4 bits
     only). Everything else is copied unchanged.
+
+    With ``plan`` (export/mixquant.py: weight name -> form), each MatMul weight and, with
+    ``quantize_embeddings``, the embedding table take the plan's form instead (``bits``, ``block_size``
+    and ``symmetric`` are then unused). ``chosen`` (if given) receives weight name -> (form, element count).
     """
+    if plan is not None:
+        return _quantize_planned(src, dst, plan=plan, accuracy_level=accuracy_level,
+                                 quantize_embeddings=quantize_embeddings, chosen={} if chosen is None else chosen)
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
@@ -144,6 +155,8 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
                 b = _read(weight, src_dir)
                 rows, cols = b.shape
                 packed, scales, zero_points = quantizer.qbits_block_quant(b)
+                if chosen is not None:
+                    chosen[weight.name] = (_legacy_form(bits, block_size, symmetric), rows * cols)
                 del b
                 q = out.tensor(f"{weight.name}_Q{bits}", TensorProto.UINT8, packed.shape, packed)
                 s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, scales.shape, scales)
@@ -162,6 +175,8 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
                                                   domain="com.microsoft", **attrs))
             elif gather and node.op_type == "Gather" and node.input[0] in inits:
                 table = inits[node.input[0]]
+                if chosen is not None:
+                    chosen[table.name] = (_legacy_form(bits, block_size, symmetric), int(np.prod(table.dims)))
                 new_nodes.append(_quantize_gather(node, table, src_dir, out, new_inits, block_size, symmetric))
             else:
                 new_nodes.append(node)
@@ -185,6 +200,13 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     if data_path.stat().st_size == 0:
         os.unlink(data_path)
     return [dst] + ([data_path] if data_path.exists() else [])
+
+
+def _legacy_form(bits: int, block_size: int, symmetric: bool) -> "TensorQuant":
+    """The form ONNX Runtime's quantizer gives a weight (min/max range, no search), for the record."""
+    from .mixquant import TensorQuant
+
+    return TensorQuant(bits, block_size, symmetric, search=False)
 
 
 def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict, block_size: int, symmetric: bool):
@@ -225,3 +247,114 @@ def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict
     return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
                             name=f"{node.name}_Q4" if node.name else "", domain="com.microsoft",
                             gather_axis=axis, quantize_axis=1, block_size=block_size)
+
+
+def _quantize_planned(src: Path, dst: Path, *, plan: "Plan", accuracy_level: int, quantize_embeddings: bool,
+                      chosen: "dict[str, tuple[TensorQuant, int]]") -> list[Path]:
+    """:func:`quantize_streaming` with a per-weight form from ``plan`` (export/mixquant.py), one weight at a time.
+
+    MatMul B [K, N] becomes MatMulNBits with B [N, K/block, block*bits/8], scales [N, K/block] and, when
+    asymmetric, uint8 zero points [N, ceil(K/block*bits/8)]; the embedding table [vocab, hidden] becomes
+    GatherBlockQuantized over uint8 data with ``bits`` (quantized along hidden, in row chunks).
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    from .mixquant import quantize
+
+    model = onnx.load(str(src), load_external_data=False)
+    graph = model.graph
+    src_dir = src.parent
+    inits = {t.name: t for t in graph.initializer}
+    data_path = dst.with_name(dst.name + ".data")
+    out = _DataFile(data_path)
+    new_inits: dict[str, TensorProto] = {}
+    new_nodes = []
+    try:
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+                weight = inits[node.input[1]]
+                form = plan(weight.name)
+                b = _read(weight, src_dir)
+                rows, cols = b.shape
+                chosen[weight.name] = (form, rows * cols)
+                blocks = quantize(np.ascontiguousarray(b.T), form)
+                del b
+                packed = blocks.packed()
+                q = out.tensor(f"{weight.name}_Q{form.bits}", TensorProto.UINT8, packed.shape, packed)
+                s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, blocks.scales.shape, blocks.scales)
+                inputs = [node.input[0], q.name, s.name]
+                new_inits.update({q.name: q, s.name: s})
+                if not form.symmetric:
+                    zps = blocks.packed_zero_points()
+                    zp = out.tensor(f"{weight.name}_zero_points", TensorProto.UINT8, zps.shape, zps)
+                    inputs.append(zp.name)
+                    new_inits[zp.name] = zp
+                attrs = dict(K=rows, N=cols, bits=form.bits, block_size=form.block)
+                if accuracy_level:
+                    attrs["accuracy_level"] = accuracy_level
+                new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
+                                                  name=f"{node.name}_Q{form.bits}" if node.name else "",
+                                                  domain="com.microsoft", **attrs))
+            elif quantize_embeddings and node.op_type == "Gather" and node.input[0] in inits:
+                table = inits[node.input[0]]
+                form = plan(table.name)
+                chosen[table.name] = (form, int(np.prod(table.dims)))
+                new_nodes.append(_planned_gather(node, table, form, src_dir, out, new_inits))
+            else:
+                new_nodes.append(node)
+        used = {name for n in new_nodes for name in n.input}
+        kept = [out.copy(t, src_dir) if t.name not in new_inits else t for t in graph.initializer if t.name in used]
+        kept += [t for name, t in new_inits.items() if name in used]
+    finally:
+        out.close()
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save_model(model, str(dst))
+    if data_path.stat().st_size == 0:
+        os.unlink(data_path)
+    return [dst] + ([data_path] if data_path.exists() else [])
+
+
+def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataFile, new_inits: dict):
+    """GatherBlockQuantized over ``table`` [vocab, hidden] in ``form`` (uint8 data, ``bits`` 4 or 8), in row chunks."""
+    from onnx import TensorProto, helper
+
+    from .mixquant import quantize
+
+    dims = tuple(table.dims)
+    if len(dims) != 2 or dims[1] % form.block:
+        raise ValueError(f"{table.name}: a planned embedding needs a 2-D table whose width is a multiple of "
+                         f"{form.block}; got {dims}")
+    qname, sname = f"{table.name}_Q{form.bits}", f"{table.name}_scales"
+    pad = (-out.offset) % _ALIGN
+    out.file.write(b"\0" * pad)
+    out.offset += pad
+    q_start, scales, zero_points = out.offset, [], []
+    for start in range(0, dims[0], _GATHER_ROWS):
+        blocks = quantize(_read(table, src_dir, slice(start, start + _GATHER_ROWS)), form)
+        packed = blocks.packed()
+        out.file.write(packed.tobytes())
+        out.offset += packed.nbytes
+        scales.append(blocks.scales)
+        zero_points.append(blocks.packed_zero_points())
+    width = dims[1] * form.bits // 8
+    q = TensorProto(name=qname, data_type=TensorProto.UINT8, dims=[dims[0], width])
+    _point(q, out.path.name, q_start, out.offset - q_start)
+    all_scales = np.concatenate(scales)
+    s = out.tensor(sname, TensorProto.FLOAT, all_scales.shape, all_scales)
+    inputs = [qname, node.input[1], sname]
+    new_inits.update({qname: q, sname: s})
+    if not form.symmetric:
+        zps = np.concatenate(zero_points)
+        zp = out.tensor(f"{table.name}_zero_points", TensorProto.UINT8, zps.shape, zps)
+        inputs.append(zp.name)
+        new_inits[zp.name] = zp
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
+                            name=f"{node.name}_Q{form.bits}" if node.name else "", domain="com.microsoft",
+                            gather_axis=axis, quantize_axis=1, block_size=form.block, bits=form.bits)

@@ -1,0 +1,213 @@
+"""Per-tensor weight quantization for float checkpoints, chosen like llama.cpp's K-quant mixes.
+
+A float source used to be rounded one way everywhere: symmetric int4 blocks of 32, the output
+head and the embedding included. This module gives each graph weight its own form
+(:class:`TensorQuant`): bits (4 or 8), elements per block, symmetric or asymmetric, and whether
+each block's scale is searched. A *mix* (:data:`MIXES`) maps the graph's weight names
+(``layers.3.qkv``, ``layers.3.down``, ``lm_head``, ``embed``: export/families/base.py) to forms.
+
+The forms are the ones ONNX Runtime's CPU kernels run without a slow path:
+
+* **asymmetric int4**: ``w = scale * (q - zp)`` with ``q`` and ``zp`` unsigned 4-bit integers
+  (``zp`` packed two per byte, MatMulNBits' uint8 ``zero_points``). A float zero point is also
+  accepted by the kernel but then dequantizes the whole weight on every call (export/gguf_import.py);
+  an integral one runs in the int8-activation kernel (accuracy_level 4) like the symmetric form.
+* **symmetric int8**: ``w = scale * (q - 128)``; no zero-point tensor (the kernel's default is 128),
+  for the output head and the embedding (GatherBlockQuantized, bits=8).
+* **searched scales** (``search``): for each block a few candidate ranges are tried
+  (:data:`SEARCH_STEPS`), each rounded, its scale refitted by least squares with the integers
+  fixed, and the one with the smallest squared error kept: a data-free relative of llama.cpp's
+  ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral zero points.
+
+numpy only; export/rtn.py writes the results into the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import InvalidParameterError
+
+# Candidate ranges per block for a searched scale: the min/max range divided by (levels - 1 + d)
+# for d in this grid. d < 0 widens the step (clips nothing, coarser); d > 0 narrows it (clips the
+# extremes, finer for the bulk). llama.cpp's make_qkx2_quants walks a similar +-1 level window; a
+# 0.1-level grid from -0.5 to +2.0 gave most of its gain on SmolLM2 (docs/results/2026-12-06-float-quantization.md).
+SEARCH_STEPS = tuple(np.round(np.arange(-0.5, 2.01, 0.1), 2))
+_ROWS_PER_CHUNK = 1024  # output rows quantized at once (bounds the search's temporaries)
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one graph weight is stored.
+
+    ``bits``: 4 or 8; ``block``: elements of the input axis per scale (a power of two >= 16);
+    ``symmetric``: no zero points (4 bits: zp 8, 8 bits: zp 128, the kernels' defaults);
+    ``search``: each block's scale (and zero point) minimises the block's squared error over
+    :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
+    """
+
+    bits: int
+    block: int
+    symmetric: bool
+    search: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise InvalidParameterError(f"bits must be 4 or 8; got {self.bits}")
+        if self.block < 16 or self.block & (self.block - 1):
+            raise InvalidParameterError(f"block must be a power of two >= 16; got {self.block}")
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per element: the integers, an fp32 scale per block, and a zero point per block
+        (``bits`` wide) when asymmetric."""
+        return self.bits + (32 + (0 if self.symmetric else self.bits)) / self.block
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight ``[N, K]`` (N outputs, K the input axis) as ``scales * (q - zero_points)`` per block.
+
+    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``: [N, K/block] float32;
+    ``zero_points``: [N, K/block] uint8 (the symmetric default 2**(bits-1) when symmetric).
+    """
+
+    q: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    bits: int
+    symmetric: bool
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, as ONNX Runtime reads the blocks."""
+        w = self.scales[..., None] * (self.q.astype(np.float32) - self.zero_points[..., None].astype(np.float32))
+        return w.reshape(w.shape[0], -1)
+
+    def packed(self) -> np.ndarray:
+        """[N, K/block, block*bits/8] uint8: MatMulNBits' B (4 bits: element 2j in the low nibble)."""
+        if self.bits == 8:
+            return np.ascontiguousarray(self.q)
+        return np.ascontiguousarray(self.q[..., 0::2] | (self.q[..., 1::2] << 4))
+
+    def packed_zero_points(self) -> np.ndarray:
+        """[N, ceil(K/block * bits / 8)] uint8: MatMulNBits' zero_points (4 bits: block 2j low nibble)."""
+        zp = self.zero_points
+        if self.bits == 8:
+            return np.ascontiguousarray(zp)
+        if zp.shape[1] % 2:
+            zp = np.concatenate([zp, np.zeros((zp.shape[0], 1), np.uint8)], axis=1)
+        return np.ascontiguousarray(zp[:, 0::2] | (zp[:, 1::2] << 4))
+
+
+def quantize(weight: np.ndarray, form: TensorQuant) -> Blocks:
+    """``weight`` [N, K] float32 (rows are outputs; K a multiple of ``form.block``) as blocks of ``form``."""
+    n, k = weight.shape
+    if k % form.block:
+        raise InvalidParameterError(f"the input axis ({k}) is not a multiple of block {form.block}")
+    parts = [_quantize_rows(np.asarray(weight[i:i + _ROWS_PER_CHUNK], np.float32).reshape(-1, k // form.block,
+                                                                                           form.block), form)
+             for i in range(0, n, _ROWS_PER_CHUNK)]
+    return Blocks(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                  np.concatenate([p[2] for p in parts]), form.bits, form.symmetric)
+
+
+def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [n, blocks, block] -> (q uint8 [n, blocks, block], scales f32 [n, blocks], zero points uint8 [n, blocks])."""
+    top = (1 << form.bits) - 1
+    if form.symmetric:
+        # scale = absmax / (2**(bits-1) - 1): q - zp spans -(2**(bits-1)-1)..2**(bits-1)-1, never clips.
+        half = (1 << (form.bits - 1))
+        zp = np.full(w.shape[:2], half, np.uint8)
+        absmax = np.abs(w).max(axis=-1)
+        candidates = [absmax / (half - 1 + d) for d in (SEARCH_STEPS if form.search else (0.0,))]
+        lo_hi = None
+    else:
+        # The range always holds 0 (so an all-positive block still has an exact zero and zp in range).
+        lo, hi = np.minimum(w.min(axis=-1), 0), np.maximum(w.max(axis=-1), 0)
+        candidates = [(hi - lo) / (top + d) for d in (SEARCH_STEPS if form.search else (0.0,))]
+        lo_hi = lo
+    best_err = best_q = best_s = best_zp = None
+    for step in candidates:
+        step = np.where(step > 0, step, 1.0).astype(np.float32)
+        if lo_hi is not None:
+            zp = np.clip(np.rint(-lo_hi / step), 0, top).astype(np.uint8)
+        q = np.clip(np.rint(w / step[..., None]) + zp[..., None], 0, top).astype(np.uint8)
+        d = q.astype(np.float32) - zp[..., None]
+        if form.search:
+            # least-squares scale with the integers fixed: argmin_s |w - s*d|^2 = <w,d>/<d,d>
+            dd = (d * d).sum(axis=-1)
+            s = np.where(dd > 0, (w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
+        else:
+            s = step
+        err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
+        if best_err is None:
+            best_err, best_q, best_s, best_zp = err, q, s, zp
+            continue
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_q = np.where(better[..., None], q, best_q)
+        best_s = np.where(better, s, best_s)
+        best_zp = np.where(better, zp, best_zp)
+    zero = np.abs(w).max(axis=-1) == 0  # an all-zero block: scale 0 reproduces it exactly
+    return best_q, np.where(zero, 0, best_s).astype(np.float32), best_zp.astype(np.uint8)
+
+
+# --------------------------------------------------------------------------- mixes
+
+Plan = Callable[[str], TensorQuant]
+
+
+def _more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits`` layers (Q4_K_M gives their ffn_down and attn_v 6 bits): the first
+    and last eighth, and every third layer between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def _layer(name: str) -> tuple[int, str] | None:
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None
+
+
+def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
+    """The mix ``mix`` (one of :data:`MIXES`) as a function graph weight name -> :class:`TensorQuant`.
+
+    ``block``: the 4-bit weights' block size (export --block-size / --tune); 8-bit weights keep
+    block 32 (their scale costs 1 bit per weight there; llama.cpp's Q8_0 uses the same).
+    """
+    if mix not in MIXES:
+        raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
+    sym4 = TensorQuant(4, block, True)
+    asym4 = TensorQuant(4, block, False, search=True)
+    int8 = TensorQuant(8, 32, True)
+
+    def plan(name: str) -> TensorQuant:
+        if mix == "rtn-sym4":
+            return sym4
+        if mix == "asym4":
+            return asym4
+        if name in ("lm_head", "embed"):
+            return int8
+        where = _layer(name)
+        if (mix == "asym4-head8-more" and where is not None and where[1] in ("down", "qkv")
+                and _more_bits(where[0], n_layers)):
+            # Q4_K_M's 6-bit ffn_down and attn_v on these layers; v is fused with q and k here, so the
+            # whole q|k|v weight goes up (GQA keeps it small: SmolLM2's is 576 x 960).
+            return int8
+        return asym4
+
+    return plan
+
+
+# Mix name -> what it does (export --quant-mix's help lists these).
+MIXES = {
+    "rtn-sym4": "symmetric int4 min/max blocks everywhere, head and embedding included (ONNX Runtime's quantizer; "
+                "the layout before #37)",
+    "asym4": "asymmetric int4 blocks with searched scales and integral zero points everywhere",
+    "asym4-head8": "asymmetric searched int4 blocks; the output head and the embedding symmetric int8",
+    "asym4-head8-more": "asym4-head8, plus int8 ffn down and q|k|v projections on llama.cpp's use_more_bits layers",
+}
+DEFAULT_MIX = "asym4-head8"

@@ -1,0 +1,198 @@
+"""Per-tensor quantization of float sources (export/mixquant.py, export/rtn.py, issue #37 part 2).
+
+Invariants:
+* a block's dequantized values stay within the format's error bound: half a step for min/max
+  rounding, and a searched block's squared error is never above the min/max block's;
+* asymmetric zero points are integers in the format's range, and a weight made of exactly
+  representable blocks is reproduced bit for bit;
+* ONNX Runtime's MatMulNBits and GatherBlockQuantized read the written blocks as numpy does;
+* the per-tensor choices are recorded in the manifest (``extra.quantization``), round-trip, and
+  match the mix; a bundle exported with the default mix keeps speculation equal to plain greedy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specedge.bundle.extra import ManifestExtra, QuantizedTensor, QuantMix
+from specedge.errors import InvalidParameterError, ManifestError
+from specedge.export.mixquant import DEFAULT_MIX, MIXES, TensorQuant, make_plan, quantize
+
+ALL_FORMS = [TensorQuant(4, 32, False), TensorQuant(4, 32, False, search=True), TensorQuant(4, 64, True),
+             TensorQuant(4, 32, True, search=True), TensorQuant(8, 32, True), TensorQuant(8, 32, False)]
+
+
+def _weight(seed: int, shape=(48, 256)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[3] += 2.5  # an all-positive row: asymmetric blocks must still hold 0
+    w[5, :32] = 0  # an all-zero block
+    w[7, 40] = 30.0  # an outlier
+    return w
+
+
+@pytest.mark.parametrize("form", ALL_FORMS, ids=str)
+def test_dequantized_blocks_within_the_format_bound(form):
+    w = _weight(1)
+    blocks = quantize(w, form)
+    top = (1 << form.bits) - 1
+    assert blocks.q.dtype == np.uint8 and blocks.q.max() <= top
+    assert blocks.zero_points.dtype == np.uint8 and blocks.zero_points.max() <= top
+    err = np.abs(blocks.dequantize() - w).reshape(w.shape[0], -1, form.block)
+    if not form.search:
+        # min/max rounding clips nothing: every element is within half a step (+ fp32 rounding)
+        bound = blocks.scales[..., None] * (0.5 + 1e-5) + 1e-7
+        assert (err <= bound).all()
+    else:
+        rtn = quantize(w, TensorQuant(form.bits, form.block, form.symmetric))
+        rtn_err = ((rtn.dequantize() - w) ** 2).reshape(w.shape[0], -1, form.block).sum(-1)
+        assert ((err ** 2).sum(-1) <= rtn_err * (1 + 1e-5) + 1e-12).all()
+        assert (err ** 2).sum() < 0.95 * rtn_err.sum()  # and the search buys something overall
+    assert np.array_equal(blocks.dequantize()[5, :32], np.zeros(32, np.float32))  # zero block exact
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_asymmetric_zero_points_are_exact(search):
+    """Blocks built as s * (q - z) with integer q spanning 0..15 and z in 1..14 come back bit for bit."""
+    rng = np.random.default_rng(2)
+    n, blocks, block = 16, 8, 32
+    q = rng.integers(0, 16, (n, blocks, block))
+    q[..., 0], q[..., 1] = 0, 15  # each block spans the whole range, so min/max finds the step exactly
+    z = rng.integers(1, 15, (n, blocks))
+    s = np.float32(2.0) ** rng.integers(-6, 2, (n, blocks)).astype(np.float32)  # powers of two: exact products
+    w = (s[..., None] * (q - z[..., None])).astype(np.float32).reshape(n, -1)
+    out = quantize(w, TensorQuant(4, block, False, search=search))
+    assert np.array_equal(out.zero_points, z.astype(np.uint8))
+    assert np.array_equal(out.q, q.astype(np.uint8))
+    assert np.array_equal(out.dequantize(), w)
+    # packed two per byte, block 2j in the low nibble (MatMulNBits' zero_points layout)
+    packed = out.packed_zero_points()
+    assert packed.shape == (n, blocks // 2)
+    assert np.array_equal(packed & 15, z[:, 0::2]) and np.array_equal(packed >> 4, z[:, 1::2])
+
+
+def test_bad_forms_are_refused():
+    with pytest.raises(InvalidParameterError, match="bits must be 4 or 8"):
+        TensorQuant(3, 32, True)
+    with pytest.raises(InvalidParameterError, match="power of two"):
+        TensorQuant(4, 24, True)
+    with pytest.raises(InvalidParameterError, match="not a multiple of block 32"):
+        quantize(np.ones((2, 48), np.float32), TensorQuant(4, 32, False))
+    with pytest.raises(InvalidParameterError, match="unknown quantization mix"):
+        make_plan("q4_k_m", 4)
+
+
+def test_mixes_choose_per_tensor():
+    plan = make_plan("asym4-head8-more", 8)
+    assert plan("lm_head") == plan("embed") == TensorQuant(8, 32, True)
+    assert plan("layers.0.down").bits == 8 and plan("layers.7.down").bits == 8  # first and last eighth
+    assert plan("layers.1.down") == TensorQuant(4, 32, False, search=True)
+    assert plan("layers.0.qkv").bits == 8 and plan("layers.1.qkv") == TensorQuant(4, 32, False, search=True)
+    default = make_plan(DEFAULT_MIX, 8, block=64)
+    assert default("layers.3.gate_up").block == 64 and default("lm_head").block == 32
+    assert make_plan("rtn-sym4", 8)("lm_head") == TensorQuant(4, 32, True)
+
+
+def _tiny_graph(folder: Path, k: int = 128, n: int = 48, vocab: int = 40) -> tuple[Path, np.ndarray, np.ndarray]:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w, table = _weight(3, (k, n)), _weight(4, (vocab, k))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "layers.0.down"], ["y"], name="mm"),
+         helper.make_node("Gather", ["embed", "ids"], ["e"], name="gather", axis=0)], "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, k]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "layers.0.down"), numpy_helper.from_array(table, "embed")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(folder / "src.onnx"), save_as_external_data=True, location="src.data",
+                    size_threshold=0)
+    return folder / "src.onnx", w, table
+
+
+@pytest.mark.parametrize("form", ALL_FORMS, ids=str)
+def test_onnxruntime_reads_the_blocks_as_numpy_does(tmp_path, form):
+    ort = pytest.importorskip("onnxruntime")
+    from specedge.export.rtn import quantize_streaming
+
+    src, w, table = _tiny_graph(tmp_path)
+    chosen: dict = {}
+    quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
+                       quantize_embeddings=True, plan=lambda name: form, chosen=chosen)
+    assert chosen == {"layers.0.down": (form, w.size), "embed": (form, table.size)}
+    x = np.random.default_rng(5).standard_normal((1, 3, w.shape[0])).astype(np.float32)
+    ids = np.array([[0, 7, table.shape[0] - 1]], np.int64)
+    y, e = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "ids": ids})
+    w_deq = quantize(np.ascontiguousarray(w.T), form).dequantize().T
+    np.testing.assert_allclose(y, x @ w_deq, rtol=1e-5, atol=1e-4)  # fp32 compute (accuracy_level 0)
+    assert np.array_equal(e, quantize(table, form).dequantize()[ids])  # a lookup is exact
+
+
+def test_quantization_records_round_trip():
+    mix = QuantMix("asym4-head8", {"layers.0.qkv": QuantizedTensor(4, 32, False, "search", 4096),
+                                   "lm_head": QuantizedTensor(8, 32, True, "rtn", 1024)})
+    extra = ManifestExtra(quantization={"target": mix})
+    again = ManifestExtra.from_dict(extra.to_dict())
+    assert again.quantization == {"target": mix}
+    # int4/32 asym: 4 + (32 + 4)/32 bits per weight; int8/32 sym: 8 + 32/32
+    assert again.quantization["target"].bits_per_weight() == pytest.approx((5.125 * 4096 + 9 * 1024) / 5120)
+    assert "1 x int4/32 asym search" in mix.summary()
+    bad = extra.to_dict()
+    bad["quantization"]["target"]["tensors"]["lm_head"]["bits"] = 3
+    with pytest.raises(ManifestError, match=r"quantization\.target\.tensors\.lm_head\.bits"):
+        ManifestExtra.from_dict(bad)
+    bad["quantization"]["target"]["tensors"]["lm_head"].update(bits=8, method="gptq")
+    with pytest.raises(ManifestError, match="method"):
+        ManifestExtra.from_dict(bad)
+
+
+@pytest.fixture(scope="module")
+def default_int4_bundle(tiny_model, export) -> Path:
+    """The llama tiny model at int4 (default mix) with a self-int4 draft of the same mix."""
+    return export(tiny_model("llama"), draft="self-int4", precision="int4")
+
+
+def test_export_records_each_tensors_choice(default_int4_bundle, tiny_model, export):
+    from specedge.bundle.manifest import load_manifest
+
+    manifest = load_manifest(default_int4_bundle)
+    n_layers = manifest.target.n_layers
+    plan = make_plan(DEFAULT_MIX, n_layers)
+    for role in ("target", "draft"):
+        record = manifest.extra.quantization[role]
+        assert record.mix == DEFAULT_MIX
+        names = {f"layers.{i}.{w}" for i in range(n_layers) for w in ("qkv", "o", "gate_up", "down")}
+        assert set(record.tensors) == names | {"lm_head", "embed"}
+        for name, t in record.tensors.items():
+            form = plan(name)
+            assert (t.bits, t.block_size, t.symmetric, t.method) == (form.bits, form.block, form.symmetric,
+                                                                      "search" if form.search else "rtn"), name
+            assert t.elements > 0
+    # the legacy mix records its (uniform) choice too
+    legacy = load_manifest(export(tiny_model("llama"), precision="int4", quant_mix="rtn-sym4"))
+    assert {(t.bits, t.symmetric, t.method) for t in legacy.extra.quantization["target"].tensors.values()} == \
+        {(4, True, "rtn")}
+
+
+def test_default_mix_keeps_speculation_equal_to_greedy(default_int4_bundle, load_generator):
+    """Self-speculation on the default-mix bundle equals plain greedy decoding of its target."""
+    gen = load_generator(default_int4_bundle)
+    for prompt in ([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]):
+        plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
+        spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_unknown_mix_is_refused():
+    from specedge.export.bundle import ExportConfig
+
+    with pytest.raises(InvalidParameterError, match="quant_mix must be one of"):
+        ExportConfig(target="x", out=Path("y"), quant_mix="q4_k_m")
+    assert set(MIXES) >= {DEFAULT_MIX, "rtn-sym4"}
