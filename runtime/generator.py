@@ -36,7 +36,7 @@ from ..engines.base import Interrupt, interrupting
 from ..engines.invariant import BatchInvariantEngine
 from ..errors import ForwardCancelled, InvalidParameterError, SpecedgeError
 from . import costs as step_costs
-from . import inputs, loop
+from . import inputs, loop, prefill_ahead
 from . import prompt_cache
 from .profile import save as save_profile
 from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
@@ -44,7 +44,7 @@ from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafte
 from .loading import LoadedBundle, load_bundle
 from .memory import SpeculationMemory
 from .policies import POLICIES, Controller, PolicySetup, policy_for
-from .slots import CacheSlot, SlotPool, common_prefix
+from .slots import CacheSlot, SlotPool
 from .stats import GenerationStats
 from .text import StreamDecoder
 from .verify import near_tie_gap
@@ -413,28 +413,11 @@ class Generator:
         """Fill a slot with ``ids`` (under the lock): the slot, the target tokens it already held and
         the draft tokens computed. A forward that raises drops the slot."""
         inputs.check_prefix_room(ids, self.max_context)
-        # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
-        # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
-        slot, reuse = self.slots.acquire(ids + [-1], config.exact, salt=config.cache_salt,
-                                         reuse=config.reuse_prefix)
-        target = self.target if config.exact else self.target.inner
+        slot, reuse = prefill_ahead.acquire(self.slots, ids, config)
         name, _ = self._drafter_and_controller(config)
-        drafted = 0
-        try:
-            slot.target_kv.rewind(slot.target_kv.length - reuse)
-            if reuse < len(ids):
-                target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
-            if name is not None and uses_draft_model(name, self.draft is not None) and slot.draft_kv is not None:
-                keep = min(common_prefix(slot.draft_prefix.contiguous(), ids), slot.draft_kv.length, len(ids))
-                slot.draft_kv.rewind(slot.draft_kv.length - keep)
-                if keep < len(ids):
-                    self.draft.forward(np.asarray(ids[keep:], np.int64), slot.draft_kv, 1)
-                drafted = len(ids) - keep
-                slot.draft_prefix.set(ids)
-        except BaseException:
-            slot.drop()
-            raise
-        slot.keep(ids, config.exact)
+        fill_draft = name is not None and uses_draft_model(name, self.draft is not None)
+        drafted = prefill_ahead.fill(slot, reuse, ids, self.target if config.exact else self.target.inner,
+                                     self.draft if fill_draft else None, exact=config.exact)
         return slot, reuse, drafted
 
     # --------------------------------------------------------------------- prompt cache
@@ -463,11 +446,8 @@ class Generator:
                                      allow_special_tokens=config.allow_special_tokens)
         with self._exclusive():
             slot, _, _ = self._prefill(ids, config)
-            slot.publish()  # the operator's prefix, as a loaded one is: every cache salt may reuse it
-            draft_tokens = slot.draft_prefix.contiguous()[:slot.draft_kv.length] if slot.draft_kv is not None else []
-            size = prompt_cache.save(path, self._prompt_cache_key(config.exact), ids, slot.target_kv,
-                                     draft_tokens, slot.draft_kv)
-        return {"path": str(path), "tokens": len(ids), "draft_tokens": len(draft_tokens), "bytes": size}
+            draft_tokens, size = prefill_ahead.save_filled(path, self._prompt_cache_key(config.exact), ids, slot)
+        return {"path": str(path), "tokens": len(ids), "draft_tokens": draft_tokens, "bytes": size}
 
     def load_prompt_cache(self, path: str | Path, *, exact: bool = False) -> dict:
         """Load a prefix saved by :meth:`save_prompt_cache` into a free (or the least recently
@@ -481,22 +461,8 @@ class Generator:
         if exact:
             self.check_exact()
         with self._exclusive():
-            slot, _ = self.slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
-            loaded = prompt_cache.load(path, self._prompt_cache_key(exact), slot.target_kv, slot.draft_kv,
-                                       self.manifest.target.vocab_size)
-            slot.drop()
-            try:
-                loaded.fill("target", slot.target_kv)
-                if exact:
-                    self.target.adopt(slot.target_kv, np.asarray(loaded.tokens, np.int64))
-                if loaded.draft_tokens and slot.draft_kv is not None:
-                    loaded.fill("draft", slot.draft_kv)
-                    slot.draft_prefix.set(loaded.draft_tokens)
-            except BaseException:
-                slot.drop()
-                raise
-            slot.keep(loaded.tokens, exact)
-            slot.publish()  # the operator's prefix: every cache salt may reuse it (only it)
+            loaded = prefill_ahead.load_saved(self.slots, path, self._prompt_cache_key(exact), self.target,
+                                              exact=exact, vocab_size=self.manifest.target.vocab_size)
         return {"tokens": len(loaded.tokens), "draft_tokens": len(loaded.draft_tokens),
                 "token_ids": list(loaded.tokens)}
 

@@ -1,0 +1,96 @@
+"""Filling a conversation slot before the request that will use it arrives.
+
+Two ways, both under the Generator's lock and both leaving the slot exactly as a request would
+find it by longest prefix (runtime/slots.py):
+
+- computed now (:func:`acquire` + :func:`fill`): a voice agent's partial transcript
+  (``Generator.prefill``), or a fixed prefix about to be saved (``Generator.save_prompt_cache``);
+- read from a file written earlier (:func:`load_saved`, the ``--prompt-cache`` file of
+  runtime/prompt_cache.py), so a restart does not pay for the prefix's prefill again.
+
+A forward (or a fill) that raises drops the slot: a half-written cache is never kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..engines.base import Engine
+from ..engines.invariant import BatchInvariantEngine
+from . import prompt_cache
+from .options import GenerationConfig
+from .slots import CacheSlot, SlotPool, common_prefix
+
+
+def acquire(slots: SlotPool, ids: list[int], config: GenerationConfig) -> tuple[CacheSlot, int]:
+    """The slot a request starting with ``ids`` will find, and how many of ``ids`` it already holds."""
+    # A request keeps >= 1 prompt token to compute (it needs the last logits); a prefill needs none, so
+    # it asks as a request one token longer would (-1 is never a token id, so nothing matches it).
+    return slots.acquire(ids + [-1], config.exact, salt=config.cache_salt, reuse=config.reuse_prefix)
+
+
+def fill(slot: CacheSlot, reuse: int, ids: list[int], target: Engine, draft: Engine | None, *, exact: bool) -> int:
+    """Compute the K/V of ``ids[reuse:]`` into ``slot``'s target cache, and, when ``draft`` is given
+    (the request will draft with the draft model), of the part of ``ids`` its draft cache lacks
+    (in full, not bounded by ``draft_window``: this runs before the turn ends, off the critical path).
+
+    ``ids``: n token ids, n < max_context; ``target``: the engine the request's mode runs (exact:
+    the batch-invariant one; fast: the bare one). Returns the draft tokens computed (0 without
+    ``draft``). The slot keeps ``ids``; a forward that raises drops it.
+    """
+    drafted = 0
+    try:
+        slot.target_kv.rewind(slot.target_kv.length - reuse)
+        if reuse < len(ids):
+            target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
+        if draft is not None and slot.draft_kv is not None:
+            keep = min(common_prefix(slot.draft_prefix.contiguous(), ids), slot.draft_kv.length, len(ids))
+            slot.draft_kv.rewind(slot.draft_kv.length - keep)
+            if keep < len(ids):
+                draft.forward(np.asarray(ids[keep:], np.int64), slot.draft_kv, 1)
+            drafted = len(ids) - keep
+            slot.draft_prefix.set(ids)
+    except BaseException:
+        slot.drop()
+        raise
+    slot.keep(ids, exact)
+    return drafted
+
+
+def save_filled(path: str | Path, key: dict, ids: Sequence[int], slot: CacheSlot) -> tuple[int, int]:
+    """Write a slot just filled with ``ids`` to ``path`` (runtime/prompt_cache.py's format, keyed by
+    ``key``) and publish it: the operator's prefix may be reused under every cache salt, as a loaded
+    one is. Returns (draft tokens written, file bytes)."""
+    slot.publish()
+    draft_tokens = slot.draft_prefix.contiguous()[:slot.draft_kv.length] if slot.draft_kv is not None else []
+    size = prompt_cache.save(path, key, ids, slot.target_kv, draft_tokens, slot.draft_kv)
+    return len(draft_tokens), size
+
+
+def load_saved(slots: SlotPool, path: str | Path, key: dict, target: BatchInvariantEngine, *, exact: bool,
+               vocab_size: int) -> prompt_cache.Loaded:
+    """Load a saved prefix into a free (or the least recently used) slot and publish it.
+
+    The file is read and checked against ``key`` and the slot's caches before the slot changes
+    (PromptCacheError names what differs). With ``exact``, ``target`` adopts the loaded positions
+    as its own (engines/invariant.py). Returns what was loaded (``tokens``, ``draft_tokens``).
+    """
+    slot, _ = slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
+    loaded = prompt_cache.load(path, key, slot.target_kv, slot.draft_kv, vocab_size)
+    slot.drop()
+    try:
+        loaded.fill("target", slot.target_kv)
+        if exact:
+            target.adopt(slot.target_kv, np.asarray(loaded.tokens, np.int64))
+        if loaded.draft_tokens and slot.draft_kv is not None:
+            loaded.fill("draft", slot.draft_kv)
+            slot.draft_prefix.set(loaded.draft_tokens)
+    except BaseException:
+        slot.drop()
+        raise
+    slot.keep(loaded.tokens, exact)
+    slot.publish()  # the operator's prefix: every cache salt may reuse it (only it)
+    return loaded
