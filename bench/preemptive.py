@@ -22,8 +22,9 @@ Interrupt), a prefill included, so the worker is free within about one graph nod
 
 The final request's goal is one target step plus the prefill of its new (uncached) tokens: a
 cancelled attempt may hold the worker for at most a step, and what the attempts prefilled is reused.
-:func:`measure_bounds` times both on the preemptive server's own target session after the run, per
-turn, and the report gives TTFT / bound with the final request's queue wait and in-worker prefill.
+:class:`BoundTimer` times both on the preemptive server's own target session right after each turn
+(the same machine load), and the report gives TTFT / bound with the final request's queue wait and
+in-worker prefill.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ class AttemptRecord:
 
 @dataclass
 class TurnBound:
-    """The final request's TTFT goal, from quantities measured in the same run (:func:`measure_bounds`):
+    """The final request's TTFT goal, from quantities measured in the same run (:class:`BoundTimer`):
     one target step at the turn's context plus the prefill of its new (uncached) tokens."""
 
     new_tokens: int  # prompt tokens the final request did not find cached
@@ -240,7 +241,7 @@ class PreemptiveTurn:
     attempts: list[AttemptRecord] = field(default_factory=list)
     queue_s: float | None = None  # the final request's wait for the worker (a cancelled attempt still running)
     server_prefill_s: float | None = None  # the final request's prefill inside the worker (its stats)
-    bound: TurnBound | None = None  # filled by measure_bounds (preemptive turns)
+    bound: TurnBound | None = None  # preemptive turns: timed right after the turn (BoundTimer)
     prompt_ids: list[int] = field(default_factory=list, repr=False)  # the final request's (not reported)
 
 
@@ -304,17 +305,22 @@ STEP_REPEATS = 5  # timings per quantity; the median is kept (the box is shared:
 LONG_PREFILL_S = 1.0
 
 
-def measure_bounds(generator, report: PreemptiveReport, config: str = "preemptive") -> None:
-    """Fill ``bound`` for ``config``'s turns: time, on ``generator``'s own target session (fast mode, as the
-    server runs it), the prefill of each final request's new tokens onto its cached prefix and one 1-row
-    step at its prompt's length. Runs after the servers stopped (nothing else uses the sessions); a
-    scratch cache holds the conversation, so nothing of a slot changes."""
-    engine = generator.target.inner
-    kv = engine.new_cache()
-    held: list[int] = []
-    for turn in (t for t in report.turns if t.config == config and t.prompt_ids):
-        ids, reused = turn.prompt_ids, min(turn.reused_tokens, len(turn.prompt_ids) - 1)
-        keep = min(common_prefix(held, ids), reused, kv.length)
+class BoundTimer:
+    """Times a final request's bound on ``generator``'s own target session (fast mode, as the server
+    runs it): the prefill of its new tokens onto its cached prefix, and one 1-row step at its prompt's
+    length (medians of STEP_REPEATS). Call it between turns, when the worker is idle (every job of the
+    turn has finished), so the timings meet the same machine load as the turn just measured. A scratch
+    cache holds the conversation: nothing of a slot changes."""
+
+    def __init__(self, generator) -> None:
+        self.engine = generator.target.inner
+        self.kv = self.engine.new_cache()
+        self.held: list[int] = []
+
+    def __call__(self, ids: list[int], reused: int) -> TurnBound:
+        engine, kv = self.engine, self.kv
+        reused = min(reused, len(ids) - 1)
+        keep = min(common_prefix(self.held, ids), reused, kv.length)
         kv.rewind(kv.length - keep)
         if keep < reused:  # the cached prefix itself: untimed
             engine.forward(np.asarray(ids[keep:reused], np.int64), kv)
@@ -330,19 +336,21 @@ def measure_bounds(generator, report: PreemptiveReport, config: str = "preemptiv
             engine.forward(new[-1:], kv)  # any token: a step's cost is its context's
             step.append(time.perf_counter() - start)
             kv.rewind(1)
-        held = list(ids)
-        turn.bound = TurnBound(len(ids) - reused, statistics.median(step), statistics.median(prefill))
+        self.held = list(ids)
+        return TurnBound(len(ids) - reused, statistics.median(step), statistics.median(prefill))
 
 
 def run_preemptive(servers: dict, conversation: Conversation, *, plan: CancelPlan = CancelPlan(),
-                   max_new_tokens: int = 48, progress=None) -> PreemptiveReport:
-    """Replay ``conversation`` on each configuration's server (``{config: LocalServer}``), turn by turn."""
+                   max_new_tokens: int = 48, progress=None, bounds: bool = True) -> PreemptiveReport:
+    """Replay ``conversation`` on each configuration's server (``{config: LocalServer}``), turn by turn.
+    ``bounds``: time each preemptive turn's final-TTFT bound (:class:`BoundTimer`) right after it."""
     unknown = set(servers) - set(CONFIGS)
     if unknown:
         raise InvalidParameterError(f"unknown preemptive configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     rng = random.Random(plan.seed)
     report = PreemptiveReport()
     histories = {c: [{"role": "system", "content": conversation.system}] for c in servers}
+    timer = BoundTimer(servers["preemptive"].generator) if bounds and "preemptive" in servers else None
     for turn, text in enumerate(conversation.turns):
         replies = set()
         for config, server in servers.items():
@@ -377,6 +385,8 @@ def run_preemptive(servers: dict, conversation: Conversation, *, plan: CancelPla
                                                queue_s=final_job.queue_s if final_job is not None else None,
                                                server_prefill_s=stats.prefill_s if stats is not None else None,
                                                prompt_ids=list(final_job.prompt_ids) if final_job is not None else []))
+            if config == "preemptive" and timer is not None and final_job is not None:  # the worker is idle now
+                report.turns[-1].bound = timer(report.turns[-1].prompt_ids, report.turns[-1].reused_tokens)
             replies.add(final.text)
             histories[config] = messages + [{"role": "assistant", "content": final.text}]
             if progress is not None:
@@ -411,7 +421,7 @@ def format_report(report: PreemptiveReport, plan: CancelPlan) -> str:
     if bounded:
         met = sum(t.ttft_s <= t.bound.bound_s for t in bounded)
         lines += ["", "final-TTFT bound (1 target step + prefill of the new tokens, both timed on the same target "
-                  f"session after the run): {met} of {len(bounded)} {bounded[0].config} turns within it", "",
+                  f"session right after the turn): {met} of {len(bounded)} {bounded[0].config} turns within it", "",
                   "| turn | new tokens | step ms | prefill ms (tok/s) | bound ms | final TTFT ms | queue ms | "
                   "server prefill ms | TTFT / bound |", "|---|---|---|---|---|---|---|---|---|"]
         for t in bounded:

@@ -79,7 +79,7 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
     pytest.importorskip("starlette")
     from specedge.bench.conversation import Conversation
     from specedge.bench.preemptive import (CONFIGS, CancelPlan, LocalServer, attempt_texts, format_report,
-                                           measure_bounds, run_preemptive)
+                                           run_preemptive)
 
     assert attempt_texts("w010 w011 w012 w013", 3) == ["w010", "w010 w011", "w010 w011 w012"]
     talk = Conversation("w020 w021 w022 w023 w024 w025", ("w030 w031 w032 w033 w034 w035 w036 w037",
@@ -91,7 +91,6 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
         for server in servers.values():
             server.close()
     assert report.identical
-    measure_bounds(servers["preemptive"].generator, report)
     rows = {(t.config, t.turn): t for t in report.turns}
     for t in report.turns:  # the bound: measured for every preemptive turn, on its uncached tokens only
         assert (t.bound is not None) == (t.config == "preemptive")
