@@ -15,9 +15,12 @@ The forms are the ones ONNX Runtime's CPU kernels run without a slow path:
 * **symmetric int8**: ``w = scale * (q - 128)``; no zero-point tensor (the kernel's default is 128),
   for the output head and the embedding (GatherBlockQuantized, bits=8).
 * **searched scales** (``search``): for each block a few candidate ranges are tried
-  (:data:`SEARCH_STEPS`), each rounded, its scale refitted by least squares with the integers
-  fixed, and the one with the smallest squared error kept: a data-free relative of llama.cpp's
-  ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral zero points.
+  (:data:`SEARCH_STEPS`), each rounded, its scale refitted by weighted least squares with the
+  integers fixed, and the one with the smallest weighted squared error kept: a data-free relative
+  of llama.cpp's ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral
+  zero points. Element ``i`` of a block weighs ``rms(block) + |w_i|`` (llama.cpp's weighting without
+  an importance matrix), so the search does not buy a finer step by clipping the large weights: an
+  unweighted search did, and lost quality on SmolLM2 (docs/results/2026-12-06-float-quantization.md).
 
 numpy only; export/rtn.py writes the results into the graph.
 """
@@ -33,8 +36,7 @@ from ..errors import InvalidParameterError
 
 # Candidate ranges per block for a searched scale: the min/max range divided by (levels - 1 + d)
 # for d in this grid. d < 0 widens the step (clips nothing, coarser); d > 0 narrows it (clips the
-# extremes, finer for the bulk). llama.cpp's make_qkx2_quants walks a similar +-1 level window; a
-# 0.1-level grid from -0.5 to +2.0 gave most of its gain on SmolLM2 (docs/results/2026-12-06-float-quantization.md).
+# extremes, finer for the bulk). llama.cpp's make_qkx2_quants walks a similar window of about one level.
 SEARCH_STEPS = tuple(np.round(np.arange(-0.5, 2.01, 0.1), 2))
 _ROWS_PER_CHUNK = 1024  # output rows quantized at once (bounds the search's temporaries)
 
@@ -45,8 +47,8 @@ class TensorQuant:
 
     ``bits``: 4 or 8; ``block``: elements of the input axis per scale (a power of two >= 16);
     ``symmetric``: no zero points (4 bits: zp 8, 8 bits: zp 128, the kernels' defaults);
-    ``search``: each block's scale (and zero point) minimises the block's squared error over
-    :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
+    ``search``: each block's scale (and zero point) minimises the block's magnitude-weighted squared
+    error over :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
     """
 
     bits: int
@@ -128,6 +130,8 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.nda
         lo, hi = np.minimum(w.min(axis=-1), 0), np.maximum(w.max(axis=-1), 0)
         candidates = [(hi - lo) / (top + d) for d in (SEARCH_STEPS if form.search else (0.0,))]
         lo_hi = lo
+    # llama.cpp's data-free importance: rms of the block plus the element's magnitude
+    weight = np.sqrt((w * w).mean(axis=-1, keepdims=True)) + np.abs(w) if form.search else None
     best_err = best_q = best_s = best_zp = None
     for step in candidates:
         step = np.where(step > 0, step, 1.0).astype(np.float32)
@@ -136,12 +140,14 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.nda
         q = np.clip(np.rint(w / step[..., None]) + zp[..., None], 0, top).astype(np.uint8)
         d = q.astype(np.float32) - zp[..., None]
         if form.search:
-            # least-squares scale with the integers fixed: argmin_s |w - s*d|^2 = <w,d>/<d,d>
-            dd = (d * d).sum(axis=-1)
-            s = np.where(dd > 0, (w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
+            # weighted least-squares scale with the integers fixed: argmin_s sum c*(w - s*d)^2 = <cw,d>/<cd,d>
+            cd = weight * d
+            dd = (cd * d).sum(axis=-1)
+            s = np.where(dd > 0, (cd * w).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
+            err = (weight * (w - s[..., None] * d) ** 2).sum(axis=-1)
         else:
             s = step
-        err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
+            err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
         if best_err is None:
             best_err, best_q, best_s, best_zp = err, q, s, zp
             continue
@@ -181,7 +187,7 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
     if mix not in MIXES:
         raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
     sym4 = TensorQuant(4, block, True)
-    asym4 = TensorQuant(4, block, False, search=True)
+    asym4 = TensorQuant(4, block, False, search=mix != "asym4-head8-rtn")
     int8 = TensorQuant(8, 32, True)
 
     def plan(name: str) -> TensorQuant:
@@ -189,7 +195,7 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
             return sym4
         if mix == "asym4":
             return asym4
-        if name in ("lm_head", "embed"):
+        if name == "lm_head" or (name == "embed" and mix != "asym4-head8-embed4"):
             return int8
         where = _layer(name)
         if (mix == "asym4-head8-more" and where is not None and where[1] in ("down", "qkv")
@@ -208,6 +214,8 @@ MIXES = {
                 "the layout before #37)",
     "asym4": "asymmetric int4 blocks with searched scales and integral zero points everywhere",
     "asym4-head8": "asymmetric searched int4 blocks; the output head and the embedding symmetric int8",
+    "asym4-head8-rtn": "asym4-head8 with min/max (unsearched) int4 blocks",
+    "asym4-head8-embed4": "asymmetric searched int4 blocks, the embedding included; the output head symmetric int8",
     "asym4-head8-more": "asym4-head8, plus int8 ffn down and q|k|v projections on llama.cpp's use_more_bits layers",
 }
 DEFAULT_MIX = "asym4-head8"
