@@ -26,6 +26,7 @@ class DefaultSnapshot(Snapshot):
     # The lookup's, one entry per LOOKUP_CONFIDENCE class.
     lookup_acceptance: tuple[tuple[float, ...], ...] = ()
     lookup_observed: tuple[int, ...] = ()
+    lookup_outcomes: tuple[tuple[int, ...], ...] = ()  # ... and the outcomes seen per position
     budget_s: float = 0.0  # the exploration budget left
     plain_s: float = 0.0  # what plain decoding would have spent on this reply's steps
     overhead_s: float = 0.0  # net seconds speculation spent beyond that (negative: it saved time)
@@ -87,6 +88,14 @@ class DefaultK:
     # The budget holds at most 2% of 512 plain steps (~10 target steps): a probe with a full
     # 64-token catch-up fits, a winning streak cannot fund a long losing one.
     BUDGET_STEPS = 512
+    # The draft model's first step in a deployment (its acceptance never observed) is lent by the
+    # budget, which then pays it back (the step's net cost is charged, so the budget may go below
+    # zero): a fresh Generator's budget could pay the draft's prompt prefill only after ~4 replies,
+    # so the draft model never ran on the bench's chat turns, which it runs at 1.19x alone. The
+    # step still runs only where the rest of the reply repays its catch-up (``catchup_pays``);
+    # where the model loses, the loss is at most one draft window's catch-up and one step's drafts
+    # once per deployment (docs/design/policy.md#the-first-model-step).
+    LEND_FIRST_STEP = True
     # The model's realized rate: EMA weight per model step (one step's tokens are all-or-nothing, so
     # slower than the acceptance's EMA_WEIGHT: ~10 steps), and the drift back towards the predicted
     # rate per step it is passed over for its realized rate (~35 steps to forget half of the evidence).
@@ -103,6 +112,11 @@ class DefaultK:
     # first-position acceptance measured per class over the bench's workloads, a property of the
     # text and the match length rather than of the CPU (docs/design/policy.md#lookup-priors).
     LOOKUP_PRIORS = (0.4, 0.6, 0.8, 0.9)
+    # Each class's prior counts as one outcome: a class's first outcomes move its estimate by 1/2,
+    # 1/3, 1/4, then the EMA's 0.2. The priors are pooled over every workload, so they flatter
+    # low-repetition text (chat, voice), where short lookups and guesses are right 0-30% of the
+    # time; in fast mode each rejected row costs a share of a step (docs/design/policy.md#lookup-prior-weight).
+    LOOKUP_PRIOR_WEIGHT = 1.0
 
     # The lookup share (``lookup_share``) carried from earlier replies counts as this many tokens of
     # evidence against the current reply's own: half a typical 64-token reply, so a reply unlike the
@@ -112,7 +126,7 @@ class DefaultK:
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
                  model_acceptance: list[float] | None = None, model_observed: int = 0,
                  lookup_acceptance: Sequence[Sequence[float]] | None = None, lookup_observed: Sequence[int] = (),
-                 budget_s: float = 0.0, model_realized: Sequence[float] | None = None,
+                 lookup_outcomes: Sequence[Sequence[int]] = (), budget_s: float = 0.0, model_realized: Sequence[float] | None = None,
                  lookup_share: float | None = None) -> None:
         """``costs``: the drafter's one CostModel (the loop feeds it); the ``*_acceptance``,
         ``budget_s``, ``model_realized`` and ``lookup_share``: what the previous reply ended with (its
@@ -130,10 +144,13 @@ class DefaultK:
         view = costs.lookup_view()
         carried = list(lookup_acceptance or ())
         observed = list(lookup_observed)
+        outcomes = list(lookup_outcomes)
         self.lookups = tuple(AdaptiveK(max_k, costs=view, start_k=start_k,
                                        acceptance=list(carried[i]) if i < len(carried) and len(carried[i])
                                        else [prior] * max_k,
-                                       observed=observed[i] if i < len(observed) else 0)
+                                       observed=observed[i] if i < len(observed) else 0,
+                                       prior_weight=self.LOOKUP_PRIOR_WEIGHT,
+                                       outcomes=list(outcomes[i]) if i < len(outcomes) else None)
                              for i, prior in enumerate(self.LOOKUP_PRIORS))
         self.model = AdaptiveK(max_k, costs=costs, start_k=start_k, acceptance=model_acceptance,
                                observed=model_observed) if has_model else None
@@ -143,6 +160,7 @@ class DefaultK:
         self.overhead_s = 0.0
         self.mode_s = {"speculative": 0.0, "plain": 0.0}
         self.steps = {"lookup": 0, "model": 0, "plain": 0, "guess": 0}  # how the steps were served
+        self.lending = False  # the model step chosen last is the deployment's first, lent (LEND_FIRST_STEP)
 
     @classmethod
     def from_snapshot(cls, setup: PolicySetup, learned: DefaultSnapshot | None) -> "DefaultK":
@@ -151,7 +169,7 @@ class DefaultK:
         return cls(setup.max_draft_tokens, costs=setup.costs, has_model=setup.has_model, start_k=setup.start_k,
                    model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
                    lookup_acceptance=learned.lookup_acceptance, lookup_observed=learned.lookup_observed,
-                   budget_s=learned.budget_s, model_realized=learned.model_realized,
+                   lookup_outcomes=learned.lookup_outcomes, budget_s=learned.budget_s, model_realized=learned.model_realized,
                    lookup_share=learned.lookup_share)
 
     def lookup_share(self) -> float:
@@ -187,6 +205,7 @@ class DefaultK:
             if seen is not None and seen.expected_tokens(1) > side.expected_tokens(1):
                 side.alpha = list(seen.alpha)
                 side.observed = seen.observed
+                side.outcomes = list(seen.outcomes)
         return side
 
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
@@ -207,8 +226,10 @@ class DefaultK:
         # where they have an offer, so the rest of the reply left to the model is its non-lookup share.
         model_remaining = None if expected_remaining is None else expected_remaining * (1.0 - self.lookup_share())
         k = self.model.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=model_remaining)
-        # The draft model's probes, priors and catch-ups run only when the budget covers their loss.
-        while k > 0 and self.costs.loss_if_rejected(k, catchup_tokens) > self.budget_s:
+        # The draft model's probes, priors and catch-ups run only when the budget covers their loss,
+        # but for its first step in a deployment, which the budget lends (LEND_FIRST_STEP).
+        lent = self.LEND_FIRST_STEP and self.model.observed == 0
+        while k > 0 and not lent and self.costs.loss_if_rejected(k, catchup_tokens) > self.budget_s:
             k -= 1  # what the budget cannot cover if every draft is rejected
         # ... and only while what it realized beats what it would replace (undiscounted rates); a probe
         # (its prediction chose plain steps) is what measures it again, so a probe is not held back.
@@ -217,6 +238,7 @@ class DefaultK:
             self._forget_realized(k)
             k = 0
         if k > 0:
+            self.lending = lent
             return DraftPlan(k, MODEL_SOURCE)
         return lookup[1] if lookup is not None else PLAIN
 
@@ -250,6 +272,7 @@ class DefaultK:
     def observe(self, step: StepOutcome) -> None:
         """Charge the step to the budget, then teach the side that drafted it (plain steps: both)."""
         t_plain = self.costs.target_cost(1)
+        lent_s = 0.0  # seconds of this step the budget is not charged (a lent step's catch-up)
         if step.drafted == 0:
             plain, spent = step.verify_s, step.verify_s
             for side in (*self.lookups, self.model):
@@ -268,6 +291,11 @@ class DefaultK:
                 # weighed against the whole reply (AdaptiveK.catchup_pays): not a cost of its steps.
                 first = self.steps["model"] == 0
                 self._observe_realized(step.drafted, step.accepted + 1, spent - step.catchup_s if first else spent)
+            if not lookup and self.lending:
+                # The lent step's catch-up (the draft's prompt prefill) is the deployment's one-off
+                # investment, not a loss the budget repays: its drafts and rows are charged.
+                lent_s = step.catchup_s
+                self.lending = False
             side.observe(step)
             self.steps["lookup" if lookup else "model"] += 1
             self.steps["guess"] += int(lookup and 0 < step.match < STRONG_MATCH)
@@ -278,7 +306,7 @@ class DefaultK:
         self.committed["lookup"] += committed if strong_lookup else 0
         self.plain_s += plain
         self.overhead_s += spent - plain
-        self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - plain), self.budget_cap())
+        self.budget_s = min(self.budget_s + self.EXPLORE_SHARE * plain - (spent - lent_s - plain), self.budget_cap())
         self.mode_s["speculative" if step.drafted else "plain"] += spent
 
     def _observe_realized(self, drafted: int, tokens: int, seconds: float) -> None:
@@ -299,6 +327,7 @@ class DefaultK:
             catchup_deferred=model.catchup_deferred + sum(s.catchup_deferred for s in lookups),
             mode_s=tuple(self.mode_s.items()), acceptance=model.acceptance, observed=model.observed,
             lookup_acceptance=tuple(s.acceptance for s in lookups), lookup_observed=tuple(s.observed for s in lookups),
+            lookup_outcomes=tuple(s.outcomes for s in lookups),
             budget_s=self.budget_s, plain_s=self.plain_s, overhead_s=self.overhead_s,
             lookup_steps=self.steps["lookup"], model_steps=self.steps["model"], guess_steps=self.steps["guess"],
             model_realized=tuple(self.model_realized) if self.model_realized is not None else None,

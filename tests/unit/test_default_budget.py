@@ -275,7 +275,8 @@ def test_a_step_counts_as_the_source_that_drafted_it_not_the_one_offered(monkeyp
 
 def test_a_lookup_is_drafted_whenever_it_exists_and_the_model_is_not_run():
     costs = measured_costs()
-    controller = DefaultK(8, costs=costs, has_model=True)
+    # A model already tried in this deployment (its first step is lent: see the test below).
+    controller = DefaultK(8, costs=costs, has_model=True, model_acceptance=[0.6] * 8, model_observed=1)
     # A 1-token lookup costs nothing on an exact 2-row step: no budget is needed to try it.
     assert controller.choose(8, catchup_tokens=64, lookup_tokens=1).k == 1
     assert controller.choose(8, catchup_tokens=64, lookup_tokens=0).k == 0  # the model: budget 0, no probe
@@ -482,3 +483,83 @@ def test_the_lookup_share_is_learned_per_token_and_carried_as_a_prior():
     assert nxt.lookup_share() == pytest.approx(carried / 2)
     with pytest.raises(InvalidParameterError, match="lookup_share"):
         DefaultK(8, costs=measured_costs(), has_model=True, lookup_share=1.5)
+
+
+def test_the_first_model_step_of_a_deployment_is_lent_and_its_prompt_prefill_not_charged():
+    """A fresh deployment (the model never observed, budget 0) runs the model's first step where the
+    rest of the reply repays its catch-up, instead of waiting ~4 replies for the budget to cover the
+    draft's prompt prefill; the budget is charged that step's drafts and rows but not the prefill,
+    and the lend happens once: after it the budget gates every model step as before."""
+    costs = measured_costs()
+    fresh = DefaultK(8, costs=costs, has_model=True)
+    plan = fresh.choose(8, catchup_tokens=64, expected_remaining=500)
+    assert plan.source == MODEL_SOURCE and plan.k > 0
+    assert fresh.choose(8, catchup_tokens=64, expected_remaining=5) == PLAIN  # the rest cannot repay it
+    plan = fresh.choose(8, catchup_tokens=64, expected_remaining=500)
+    catchup_s = costs.catchup_cost(64)
+    rejected = loop.StepOutcome(plan.k, plan.k, 0, plan.k * DRAFT_S, verify_s(plan.k + 1),
+                                catchup_s=catchup_s, catchup_tokens=64)
+    fresh.observe(rejected)
+    loss = plan.k * DRAFT_S + verify_s(plan.k + 1) - STEP_S  # what the step lost beside its prefill
+    assert fresh.budget_s == pytest.approx(DefaultK.EXPLORE_SHARE * STEP_S - loss)
+    assert fresh.overhead_s == pytest.approx(loss + catchup_s)  # the real account keeps the prefill
+    # Lent once: the next model step (a new prefill after plain steps) waits for the budget.
+    assert fresh.choose(8, catchup_tokens=64, expected_remaining=500) == PLAIN
+    # Switched off, the first step is gated like every other (the rule before the lend).
+    class Unlent(DefaultK):
+        LEND_FIRST_STEP = False
+    assert Unlent(8, costs=costs, has_model=True).choose(8, catchup_tokens=64, expected_remaining=500) == PLAIN
+
+
+def qwen_fast_costs() -> CostModel:
+    """Fast-mode step costs with the Qwen2.5-Coder int4 target's shape on a 2-core AVX-512 EPYC (the
+    quiet bench's v(k), in units of a 1-row step): every verified row past the first costs a share."""
+    v = (1.0, 1.20, 1.57, 1.83, 2.19, 2.44, 2.82, 3.12, 3.49)
+    return CostModel({n: STEP_S * v[n - 1] for n in range(1, 10)}).lookup_view()
+
+
+def test_a_lookup_prior_counts_as_one_outcome():
+    """A position's first outcomes move its estimate by 1/(prior_weight + n) until that falls to the
+    EMA's weight; the count is carried to the next reply; without a prior weight it is the plain EMA."""
+    from specedge.runtime.policies import AdaptiveK
+
+    weighted = AdaptiveK(4, costs=measured_costs(), acceptance=[0.8] * 4, prior_weight=1.0)
+    plain = AdaptiveK(4, costs=measured_costs(), acceptance=[0.8] * 4)
+    rejected = loop.StepOutcome(1, 1, 0, 0.0, verify_s(2), lookup=True)
+    expected = 0.8
+    for n in range(1, 6):
+        weighted.observe(rejected)
+        plain.observe(rejected)
+        expected *= 1 - max(0.2, 1 / (1 + n))
+        assert weighted.alpha[0] == pytest.approx(expected)
+    assert plain.alpha[0] == pytest.approx(0.8 * 0.8 ** 5)
+    snap = weighted.snapshot()
+    assert snap.outcomes[0] == 5
+    carried = AdaptiveK(4, costs=measured_costs(), acceptance=list(snap.acceptance), observed=snap.observed,
+                        prior_weight=1.0, outcomes=list(snap.outcomes))
+    carried.observe(loop.StepOutcome(1, 1, 1, 0.0, verify_s(2), lookup=True))
+    assert carried.alpha[0] == pytest.approx(expected + 0.2 * (1 - expected))  # the EMA's weight by now
+    with pytest.raises(InvalidParameterError, match="prior_weight"):
+        AdaptiveK(4, prior_weight=-1.0)
+
+
+def test_a_lookup_class_the_text_contradicts_stops_after_two_rejections_on_a_fast_mode_target():
+    """On fast-mode costs where each verified row costs a share of a step, two rejected offers of a
+    3-7 token class (prior 0.8) turn its next offer into a plain step; under the plain EMA the same
+    class would still draft a token a step (a lookup the text has twice contradicted)."""
+    offer = dict(lookup_tokens=5, lookup_match=5)
+
+    def after_two_rejections(prior_weight):
+        class Policy(DefaultK):
+            LOOKUP_PRIOR_WEIGHT = prior_weight
+        policy = Policy(8, costs=CostModel(dict(qwen_fast_costs().target_s), 0.3 * STEP_S, 0.1 * STEP_S),
+                        has_model=False)
+        for _ in range(2):
+            plan = policy.choose(8, **offer)
+            assert plan.source == LOOKUP_SOURCE and plan.k >= 1
+            policy.observe(loop.StepOutcome(plan.k, plan.k, 0, 0.0, policy.costs.target_cost(plan.k + 1),
+                                            lookup=True, offered=5, match=5))
+        return policy.choose(8, **offer)
+
+    assert after_two_rejections(DefaultK.LOOKUP_PRIOR_WEIGHT) == PLAIN
+    assert after_two_rejections(None) == DraftPlan(1, LOOKUP_SOURCE)
