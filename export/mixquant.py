@@ -15,12 +15,11 @@ The forms are the ones ONNX Runtime's CPU kernels run without a slow path:
 * **symmetric int8**: ``w = scale * (q - 128)``; no zero-point tensor (the kernel's default is 128),
   for the output head and the embedding (GatherBlockQuantized, bits=8).
 * **searched scales** (``search``): for each block a few candidate ranges are tried
-  (:data:`SEARCH_STEPS`), each rounded, its scale refitted by weighted least squares with the
-  integers fixed, and the one with the smallest weighted squared error kept: a data-free relative
-  of llama.cpp's ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral
-  zero points. Element ``i`` of a block weighs ``rms(block) + |w_i|`` (llama.cpp's weighting without
-  an importance matrix), so the search does not buy a finer step by clipping the large weights: an
-  unweighted search did, and lost quality on SmolLM2 (docs/results/2026-12-06-float-quantization.md).
+  (:data:`SEARCH_STEPS`), each rounded, its scale refitted by least squares with the integers
+  fixed, and the one with the smallest squared error kept: a data-free relative of llama.cpp's
+  ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral zero points.
+  Weighting each element by ``rms(block) + |w_i|`` (llama.cpp's choice without an importance matrix)
+  was measured worse on SmolLM2 (docs/results/2026-12-06-float-quantization.md), so errors weigh alike.
 
 numpy only; export/rtn.py writes the results into the graph.
 """
@@ -47,8 +46,7 @@ class TensorQuant:
 
     ``bits``: 4 or 8; ``block``: elements of the input axis per scale (a power of two >= 16);
     ``symmetric``: no zero points (4 bits: zp 8, 8 bits: zp 128, the kernels' defaults);
-    ``search``: each block's scale (and zero point) minimises the block's magnitude-weighted squared
-    error over :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
+    ``search``: each block's scale (and zero point) minimises the block's squared error over :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
     """
 
     bits: int
@@ -130,8 +128,6 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.nda
         lo, hi = np.minimum(w.min(axis=-1), 0), np.maximum(w.max(axis=-1), 0)
         candidates = [(hi - lo) / (top + d) for d in (SEARCH_STEPS if form.search else (0.0,))]
         lo_hi = lo
-    # llama.cpp's data-free importance: rms of the block plus the element's magnitude
-    weight = np.sqrt((w * w).mean(axis=-1, keepdims=True)) + np.abs(w) if form.search else None
     best_err = best_q = best_s = best_zp = None
     for step in candidates:
         step = np.where(step > 0, step, 1.0).astype(np.float32)
@@ -140,14 +136,12 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.nda
         q = np.clip(np.rint(w / step[..., None]) + zp[..., None], 0, top).astype(np.uint8)
         d = q.astype(np.float32) - zp[..., None]
         if form.search:
-            # weighted least-squares scale with the integers fixed: argmin_s sum c*(w - s*d)^2 = <cw,d>/<cd,d>
-            cd = weight * d
-            dd = (cd * d).sum(axis=-1)
-            s = np.where(dd > 0, (cd * w).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
-            err = (weight * (w - s[..., None] * d) ** 2).sum(axis=-1)
+            # least-squares scale with the integers fixed: argmin_s |w - s*d|^2 = <w,d>/<d,d>
+            dd = (d * d).sum(axis=-1)
+            s = np.where(dd > 0, (w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
         else:
             s = step
-            err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
+        err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
         if best_err is None:
             best_err, best_q, best_s, best_zp = err, q, s, zp
             continue

@@ -47,13 +47,11 @@ def test_dequantized_blocks_within_the_format_bound(form):
         bound = blocks.scales[..., None] * (0.5 + 1e-5) + 1e-7
         assert (err <= bound).all()
     else:
-        # the search minimises the magnitude-weighted error (rms of the block + |w|); min/max is one of
-        # its candidates, so no block ends up worse than min/max rounding under that measure
-        blocked = w.reshape(w.shape[0], -1, form.block)
-        weight = np.sqrt((blocked ** 2).mean(-1, keepdims=True)) + np.abs(blocked)
+        # the search minimises each block's squared error and min/max is one of its candidates, so no
+        # block ends up worse than min/max rounding
         rtn = quantize(w, TensorQuant(form.bits, form.block, form.symmetric))
-        rtn_err = (weight * (rtn.dequantize().reshape(blocked.shape) - blocked) ** 2).sum(-1)
-        searched_err = (weight * err ** 2).sum(-1)
+        rtn_err = ((rtn.dequantize() - w) ** 2).reshape(w.shape[0], -1, form.block).sum(-1)
+        searched_err = (err ** 2).sum(-1)
         assert (searched_err <= rtn_err * (1 + 1e-5) + 1e-12).all()
         assert searched_err.sum() < 0.95 * rtn_err.sum()  # and the search buys something overall
     assert np.array_equal(blocks.dequantize()[5, :32], np.zeros(32, np.float32))  # zero block exact
