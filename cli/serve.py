@@ -147,25 +147,13 @@ def warm_prompt_cache(generator, path: Path, system_prompt: str | None, *, exact
     Returns a line for the log. A file that exists but cannot be used (another bundle or setting,
     truncated, corrupt, holding another prompt) is refused as a bad --prompt-cache value (the CLI's
     ``error: ...`` line and exit status 2), never overwritten: the path may be someone else's file.
-    Without the file and without a system prompt, refused too.
+    Without the file and without a system prompt, refused too. The work is
+    runtime/prefill_ahead.warm_from_file; here its PromptCacheError becomes the CLI's refusal.
     """
     from ..errors import PromptCacheError
-    from ..runtime import prompt_cache
+    from ..runtime.prefill_ahead import warm_from_file
 
-    messages = None if system_prompt is None else [{"role": "system", "content": system_prompt}]
     try:
-        if prompt_cache.exists(path):  # typed, where Path.exists raises OSError on a name too long
-            loaded = generator.load_prompt_cache(path, exact=exact)
-            if messages is not None:
-                want = generator.codec.encode_chat(messages, add_generation_prompt=False)
-                if loaded["token_ids"] != want:
-                    raise click.BadParameter(f"prompt cache {path} holds another prompt than --system-prompt; "
-                                             "delete it to rebuild it, or give another path", param_hint=_CACHE)
-            return f"prompt cache {path}: loaded {loaded['tokens']} tokens"
-        if messages is None:
-            raise click.BadParameter(f"prompt cache {path} does not exist; pass --system-prompt to create it",
-                                     param_hint=_CACHE)
-        saved = generator.save_prompt_cache(path, messages=messages, exact=exact)
-        return f"prompt cache {path}: computed and saved {saved['tokens']} tokens ({saved['bytes'] / 1e6:.1f} MB)"
+        return warm_from_file(generator, path, system_prompt, exact=exact)
     except PromptCacheError as exc:
         raise click.BadParameter(str(exc), param_hint=_CACHE) from None

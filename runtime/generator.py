@@ -35,10 +35,8 @@ from ..engines import EngineOptions
 from ..engines.base import Interrupt, interrupting
 from ..engines.invariant import BatchInvariantEngine
 from ..errors import ForwardCancelled, InvalidParameterError, SpecedgeError
-from . import costs as step_costs
-from . import inputs, loop, prefill_ahead
+from . import inputs, loop, prefill_ahead, warmup
 from . import prompt_cache
-from .profile import save as save_profile
 from .drafters import (DEFAULT_DRAFTER, DRAFTERS, NO_DRAFTER, DraftModel, Drafter, needs_draft_model, reads_replies,
                        uses_draft_model)
 from .loading import LoadedBundle, load_bundle
@@ -250,12 +248,9 @@ class Generator:
             return self._tune(save, context)
 
     def _tune(self, save: bool, context: int) -> CostProfile:
-        profile = step_costs.measure(self.target, self.draft, threads=self.threads, context=context,
-                                     max_verify=self.manifest.speculation.max_draft_tokens + 1)
-        self.memory.use_profile(profile)
-        if save:
-            save_profile(self.bundle, profile)
-        return profile
+        return warmup.tune(self.target, self.draft, self.memory, threads=self.threads, context=context,
+                           max_draft_tokens=self.manifest.speculation.max_draft_tokens,
+                           bundle=self.bundle if save else None)
 
     def warmup(self, *, tune: bool = True) -> None:
         """Run every session once (prefill, step, verify shapes) so the first request pays no setup.
@@ -263,20 +258,12 @@ class Generator:
         With ``tune`` and no usable cost profile for this machine, also measure one (seconds).
         """
         k = self.manifest.speculation.max_draft_tokens
-        ids = [int(t) % self.manifest.target.vocab_size for t in range(min(k + 1, self.max_context - k - 2))]
+        ids = warmup.warm_ids(self.manifest.target.vocab_size, self.max_context, k)
         with self._exclusive():
             # An empty slot if there is one; else scratch caches, so a held conversation (a loaded
             # prompt cache) survives a warm-up.
             slot = next((s for s in self.slots.slots if not s.tokens), None) or self._new_slot()
-            for engine, cache in ((self.target, slot.target_kv), (self.draft, slot.draft_kv)):
-                if engine is None:
-                    continue
-                cache.reset()
-                engine.forward(np.asarray(ids, np.int64), cache, 1)
-                engine.forward(np.asarray(ids[:1], np.int64), cache, 1)
-                if engine is self.target:  # fast mode's plain step: the bare engine's 1-row shape
-                    self.target.inner.forward(np.asarray(ids[:1], np.int64), cache, 1)
-                engine.forward(np.asarray(ids[: k + 1], np.int64), cache, k + 1)
+            warmup.warm_sessions(self.target, self.draft, slot.target_kv, slot.draft_kv, ids, k)
             slot.drop()  # what warm-up wrote is no conversation
             if tune and self.memory.profile is None:
                 self._tune(False, 128)

@@ -6,7 +6,8 @@ find it by longest prefix (runtime/slots.py):
 - computed now (:func:`acquire` + :func:`fill`): a voice agent's partial transcript
   (``Generator.prefill``), or a fixed prefix about to be saved (``Generator.save_prompt_cache``);
 - read from a file written earlier (:func:`load_saved`, the ``--prompt-cache`` file of
-  runtime/prompt_cache.py), so a restart does not pay for the prefix's prefill again.
+  runtime/prompt_cache.py), so a restart does not pay for the prefix's prefill again;
+  :func:`warm_from_file` is serve's startup step (load the file, or create it).
 
 A forward (or a fill) that raises drops the slot: a half-written cache is never kept.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..engines.base import Engine
 from ..engines.invariant import BatchInvariantEngine
+from ..errors import PromptCacheError
 from . import prompt_cache
 from .options import GenerationConfig
 from .slots import CacheSlot, SlotPool, common_prefix
@@ -94,3 +96,28 @@ def load_saved(slots: SlotPool, path: str | Path, key: dict, target: BatchInvari
     slot.keep(loaded.tokens, exact)
     slot.publish()  # the operator's prefix: every cache salt may reuse it (only it)
     return loaded
+
+
+def warm_from_file(generator, path: Path, system_prompt: str | None, *, exact: bool = False) -> str:
+    """``serve --prompt-cache FILE [--system-prompt TEXT]`` at startup: load ``path`` into a
+    conversation slot of ``generator`` (a :class:`~specedge.runtime.generator.Generator`), or,
+    when there is no such file, compute the system prompt's K/V and write them there.
+
+    Returns a line for the log. Raises PromptCacheError (the messages name serve's flags) when the
+    file exists but cannot be used (another bundle or setting, truncated, corrupt, or holding
+    another prompt than ``system_prompt``) — such a file is never overwritten: the path may be
+    someone else's — and when there is neither a file nor a system prompt.
+    """
+    messages = None if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    if prompt_cache.exists(path):  # typed, where Path.exists raises OSError on a name too long
+        loaded = generator.load_prompt_cache(path, exact=exact)
+        if messages is not None:
+            want = generator.codec.encode_chat(messages, add_generation_prompt=False)
+            if loaded["token_ids"] != want:
+                raise PromptCacheError(f"prompt cache {path} holds another prompt than --system-prompt; "
+                                       "delete it to rebuild it, or give another path")
+        return f"prompt cache {path}: loaded {loaded['tokens']} tokens"
+    if messages is None:
+        raise PromptCacheError(f"prompt cache {path} does not exist; pass --system-prompt to create it")
+    saved = generator.save_prompt_cache(path, messages=messages, exact=exact)
+    return f"prompt cache {path}: computed and saved {saved['tokens']} tokens ({saved['bytes'] / 1e6:.1f} MB)"
