@@ -173,6 +173,15 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               help="int4 of a float source (or with --requantize): each weight's form. "
               + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
               + ". The manifest records each weight's bits, block and symmetry (`specedge info`).")
+@click.option("--validation", type=click.Choice(["auto", "whole", "layers"]), default="auto", show_default=True,
+              help="int4/int8: how the fp32 graph that is quantized is checked against the source. whole: all of "
+              "it in one ONNX Runtime session (4 bytes a parameter in memory); layers: an fp32 graph of the first "
+              "layers (one of every attention kind) over every validation edge, then the quantized graph compared "
+              "with the source, whose weights are read one module at a time; auto: layers above 1 GiB of fp32 "
+              "weights (a 270M-parameter model).")
+@click.option("--keep-converted", is_flag=True, help="GGUF sources: keep the float32 HF copy the export dequantizes "
+              "the file to (4 bytes a parameter) in the cache for later exports; by default it is deleted when the "
+              "export ends (a copy already in the cache is reused either way; `specedge fetch --list` shows them).")
 @click.option("--trust-pickle", is_flag=True, help="Allow pickle checkpoints (.bin/.pt), which can run code.")
 @click.option("--engine", type=click.Choice(ENGINES), default="onnxruntime", show_default=True,
               help="tensorrt: also build TensorRT engines for this GPU into the bundle (needs --attention standard, "
@@ -193,7 +202,7 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
            accuracy_level, attention, requantize, quant_mix, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
-           as_json) -> None:
+           as_json, validation, keep_converted) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 
     Every graph is compared with PyTorch on a prefill, a 1-token step and a verify
@@ -214,6 +223,7 @@ def export(target, draft, out, precision, draft_precision, draft_layers, draft_v
         accuracy_level=accuracy_level, attention=attention, requantize=requantize, quant_mix=quant_mix,
         trust_pickle=trust_pickle,
         overwrite=overwrite,
+        validation=validation, keep_converted=keep_converted,
         quiet=quiet))
     if engine == "tensorrt":
         from ..export.tensorrt import build_engines_for_bundle

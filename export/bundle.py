@@ -36,6 +36,15 @@ SELF_DRAFTS = ("self-int4", "self-int8")
 # 0..15, and the exact-steps check needs a prefix plus a 5-token verify below max_context.
 MIN_CONTEXT = 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+VALIDATIONS = ("auto", "whole", "layers")  # ExportConfig.validation
+# validation="auto" checks the whole fp32 graph up to this many bytes of fp32 weights (a 270M-parameter
+# model) and the first layers above it: an ORT session of the whole fp32 graph holds 4 bytes a parameter
+# on top of the export's other memory, more than the bounded-memory export allows past about this size.
+WHOLE_VALIDATION_BYTES = 1 << 30
+# The layer-limited check's output layer keeps this many vocabulary columns: a 128k x 3072 fp32 head is
+# 1.6 GB, as much as the embedding it would sit next to; 8192 evenly spaced columns check the same
+# MatMul at 1/16 of that (a draft_vocab head is checked as it is).
+CHECK_HEAD_COLUMNS = 8192
 QUANTIZED = ("int4", "int8")  # weight-only MatMulNBits precisions: the ones with a block size to tune
 
 
@@ -70,6 +79,13 @@ class ExportConfig:
     # int4 from a float source (or --requantize): the per-tensor mix (export/mixquant.py MIXES); the
     # default is the best quality per byte measured (docs/results/2026-12-06-float-quantization.md).
     quant_mix: str = DEFAULT_MIX
+    # How int4/int8 exports check the fp32 graph they quantize: "whole" loads all of it next to the source;
+    # "layers" validates an fp32 graph of the first layers (one of every kind) and compares the quantized
+    # graph with the source; "auto" is "layers" above WHOLE_VALIDATION_BYTES of fp32 weights.
+    validation: str = "auto"
+    # A GGUF source is dequantized to a float32 HF folder (4 bytes a parameter); False deletes it after the
+    # export, True keeps it in the cache for later exports (`specedge fetch --list` shows it).
+    keep_converted: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
@@ -82,6 +98,9 @@ class ExportConfig:
                                         f">= 1; got {self.draft_layers} with draft {self.draft!r}")
         if self.draft_vocab is not None and (self.draft_vocab < 16 or self.draft is None):
             raise InvalidParameterError(f"draft_vocab needs a draft and must be >= 16; got {self.draft_vocab}")
+        if self.validation not in VALIDATIONS:
+            raise InvalidParameterError(f"validation must be one of {', '.join(VALIDATIONS)}; "
+                                        f"got {self.validation!r}")
         if self.quant_mix not in MIXES:
             raise InvalidParameterError(f"quant_mix must be one of {', '.join(MIXES)}; got {self.quant_mix!r}")
         if self.attention not in ATTENTIONS:
@@ -169,7 +188,7 @@ class _ModelExporter:
         from .graph import build_decoder
         from .quantize import QuantConfig, quantize_graph
         from .validate import (FP16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, batch_variance, compare_graphs,
-                               validate_graph)
+                               compare_with_source, validate_graph)
 
         folder = self.root / role
         folder.mkdir(exist_ok=True)
@@ -184,7 +203,9 @@ class _ModelExporter:
         if precision in ("fp32", "fp16"):
             dtype = np.float32 if precision == "fp32" else np.float16
             files = build_decoder(spec, weights, graph, dtype=dtype, attention=self.attention,
-                                  max_context=cfg.max_context, io=self.io)
+                                  max_context=cfg.max_context, io=self.io,
+                                  on_layer=self._eta(f"{role}: writing the {precision} graph", spec.n_layers,
+                                                     "layers"))
             entry = self._entry(role, files, source, precision, "float32" if precision == "fp32" else "float16",
                                 spec=spec, head_file=head_file)
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
@@ -199,11 +220,16 @@ class _ModelExporter:
         src_graph = scratch / "model.onnx"
         self.progress(f"{role}: writing the fp32 graph")
         src_files = build_decoder(spec, weights, src_graph, untie_lm_head=True, attention=self.attention,
-                                  max_context=cfg.max_context, io=self.io)
+                                  max_context=cfg.max_context, io=self.io,
+                                  on_layer=self._eta(f"{role}: writing the fp32 graph", spec.n_layers, "layers"))
         src_entry = self._entry(role, src_files, source, "fp32", "float32", spec=spec, head_file=head_file)
-        self.progress(f"{role}: validating the fp32 graph against the source")
-        self.reports[f"{role}:fp32-untied"] = validate_graph(
-            self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
+        layered = self._layered_validation(spec)
+        if layered is None:
+            self.progress(f"{role}: validating the fp32 graph against the source")
+            self.reports[f"{role}:fp32-untied"] = validate_graph(
+                self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
+        else:
+            self._validate_first_layers(role, layered, spec, weights, source, head_file, check)
         bits = 4 if precision == "int4" else 8
         gguf = self._gguf_to_keep(precision)
         if gguf is not None:
@@ -226,8 +252,14 @@ class _ModelExporter:
                                    plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen)
             self.quantization[role] = _quant_record(mix, chosen)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
-        self.progress(f"{role}: comparing {precision} with fp32")
-        self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
+        if layered is None:
+            self.progress(f"{role}: comparing {precision} with fp32")
+            self.reports[f"{role}:{precision}-vs-fp32"] = compare_graphs(src_entry, src_graph, entry, graph)
+        else:  # the whole fp32 graph is never loaded: the quantized one is compared with the source itself
+            self.progress(f"{role}: comparing {precision} with the source")
+            self.reports[f"{role}:{precision}-vs-source"] = compare_with_source(
+                self.loaded.model, entry, graph, layers=layers, head_ids=head_ids)
+        self.progress(f"{role}: measuring verify rows against single steps (batch variance)")
         self.batch_variance[role] = batch_variance(entry, graph)
         shutil.rmtree(scratch)
         return entry
@@ -240,6 +272,56 @@ class _ModelExporter:
         if bits != 4 or self.config.quant_mix == "rtn-sym4":
             return None
         return make_plan(self.config.quant_mix, n_layers, block)
+
+    def _eta(self, what: str, total: int, unit: str):
+        """An export/progress.py ``Eta`` printing to stderr (nothing when quiet)."""
+        from .progress import Eta
+
+        quiet = self.config.quiet
+        return Eta(what, total, unit, lambda line: None if quiet else print(line, file=sys.stderr, flush=True))
+
+    def _layered_validation(self, spec) -> int | None:
+        """The leading layers a layer-limited fp32 check builds (export/validate.py ``validation_layers``),
+        or None to validate the whole fp32 graph (``--validation``; auto: whole up to WHOLE_VALIDATION_BYTES)."""
+        from .validate import validation_layers
+
+        mode = self.config.validation
+        if mode == "auto":
+            fp32_bytes = 4 * sum(p.numel() for p in self.loaded.model.parameters())
+            mode = "whole" if fp32_bytes <= WHOLE_VALIDATION_BYTES else "layers"
+        return None if mode == "whole" else validation_layers(spec.layer_windows, spec.n_layers)
+
+    def _validate_first_layers(self, role: str, n: int, spec, weights, source: str, head_file: Path | None,
+                               check: dict) -> None:
+        """Build an fp32 graph of the first ``n`` layers (with the final norm and output layer), validate it
+        against the source's first ``n`` layers over the whole validation plan (every edge), delete it."""
+        from .graph import build_decoder
+        from .validate import FP32_RELATIVE_TOLERANCE, validate_graph
+
+        folder = self.root / f".{role}-fp32-layers"
+        folder.mkdir(exist_ok=True)
+        part = replace(spec, n_layers=n)
+        check = check | {"layers": n}
+        if check["head_ids"] is None and spec.vocab_size > CHECK_HEAD_COLUMNS:
+            # The output layer keeps evenly spaced columns (the first and last included): the same MatMul
+            # over a slice of the vocabulary, compared with the same columns of the source's logits.
+            head_ids = np.unique(np.linspace(0, spec.vocab_size - 1, CHECK_HEAD_COLUMNS).astype(np.int64))
+            lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"].T
+            weights = weights | {"lm_head": np.ascontiguousarray(lm_head[:, head_ids])}
+            del lm_head
+            part = replace(part, vocab_size=len(head_ids), tied_embeddings=False)
+            head_file = folder / "head_tokens.i32"
+            np.asarray(head_ids, "<i4").tofile(head_file)
+            check["head_ids"] = head_ids
+        columns = "" if check["head_ids"] is None else f", {len(check['head_ids'])} output columns"
+        self.progress(f"{role}: validating an fp32 graph of the first {n} of {spec.n_layers} layers{columns} "
+                      "against the source's")
+        files = build_decoder(part, weights, folder / "model.onnx", untie_lm_head=True, attention=self.attention,
+                              max_context=self.config.max_context, io=self.io)
+        entry = self._entry(role, files, source, "fp32", "float32", spec=part, head_file=head_file)
+        self.reports[f"{role}:fp32-first-{n}-layers"] = validate_graph(
+            self.loaded.model, entry, folder / "model.onnx", relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
+        shutil.rmtree(folder)
 
     def _gguf_to_keep(self, precision: str) -> Path | None:
         """The GGUF file whose quantization an int4 export keeps, or None (an HF source, or --requantize).
@@ -412,7 +494,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
     started = time.perf_counter()
     try:
         progress(f"loading target {config.target}")
-        target_loaded = load_source(config.target, trust_pickle=config.trust_pickle, quiet=config.quiet)
+        target_loaded = load_source(config.target, trust_pickle=config.trust_pickle, quiet=config.quiet,
+                                    stream=True, convert_into=None if config.keep_converted else tmp / ".target-gguf")
         # The special-token rules come from the source's own tokenizer (a GGUF file's metadata, not its
         # dequantized copy's), and the bundle must then encode every parity text as the source does.
         reference = source_tokenizer(target_loaded)
@@ -437,6 +520,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         # record, for this graph on this machine, that it holds and what it costs.
         from .validate import exact_steps
 
+        progress.note("target: checking that plain steps equal verify rows on this machine")
         exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
         if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
@@ -460,13 +544,18 @@ def export_bundle(config: ExportConfig) -> Manifest:
         # A short `specedge eval` while the source is in memory for validation anyway (export/quality.py).
         from .quality import export_quality
 
+        progress.note("target: scoring built-in text against the source (export quality)")
         quality = export_quality(tmp / target.graph, target, load_codec(tmp, tokenizer), target_loaded.model,
                                  target_loaded.source, progress.note)
+        converted = target_loaded.scratch
         del target_exp, target_loaded
         gc.collect()
+        if converted is not None:  # the float32 copy of a GGUF (not --keep-converted): done with it
+            shutil.rmtree(converted)
         if config.draft is not None and not self_draft:
             progress(f"loading draft {config.draft}")
-            draft_loaded = load_source(config.draft, trust_pickle=config.trust_pickle, quiet=config.quiet)
+            draft_loaded = load_source(config.draft, trust_pickle=config.trust_pickle, quiet=config.quiet,
+                                       stream=True, convert_into=None if config.keep_converted else tmp / ".draft-gguf")
             if draft_loaded.tokenizer.get_vocab() != target_vocab:
                 raise VocabMismatchError(
                     f"draft {config.draft} has a different vocabulary from target {config.target} "
@@ -486,8 +575,11 @@ def export_bundle(config: ExportConfig) -> Manifest:
                 warned["draft"] = draft_exp.context_warning
             if draft_exp.features.unknown_fields:
                 unknown["draft"] = tuple(draft_exp.features.unknown_fields)
+            converted = draft_loaded.scratch
             del draft_exp, draft_loaded
             gc.collect()
+            if converted is not None:
+                shutil.rmtree(converted)
         progress("writing manifest")
         files = {}
         for path in sorted(tmp.rglob("*")):

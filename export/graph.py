@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -48,6 +49,9 @@ _ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 # Tensors above this many bytes go to the external data file; tiny ones (norm weights
 # are a few KB) stay inline so the graph is readable in Netron.
 _EXTERNAL_THRESHOLD = 1024
+# A non-contiguous weight (a transposed view) is written in blocks of rows of about this size,
+# so writing it never holds a second whole copy.
+_WRITE_CHUNK_BYTES = 64 << 20
 # ORT memory-maps external data; 64-byte alignment keeps every tensor SIMD-aligned.
 _ALIGN = 64
 
@@ -155,24 +159,28 @@ class _Builder:
         return self.node(op, inputs, out=out, **attrs)[0]
 
     def const(self, name: str, array: np.ndarray) -> str:
-        array = np.ascontiguousarray(array)
         tensor = TensorProto(name=name, data_type=_np_to_onnx(array.dtype), dims=array.shape)
         if self.data_path is not None and array.nbytes > _EXTERNAL_THRESHOLD:
-            raw = memoryview(array).cast("B")  # written from the array itself: no bytes copy of a large weight
             if self._data_file is None:
                 self._data_file = open(self.data_path, "wb")
             pad = (-self._offset) % _ALIGN
             self._data_file.write(b"\0" * pad)
             self._offset += pad
-            self._data_file.write(raw)
+            # Written from the array itself: no bytes copy of a large weight. A transposed view (a
+            # [in, out] linear) is made contiguous a block of rows at a time, never whole.
+            rows = max(1, _WRITE_CHUNK_BYTES // max(1, array[:1].nbytes)) if array.ndim else 1
+            parts = [array] if array.flags.c_contiguous or array.ndim == 0 else (
+                array[r:r + rows] for r in range(0, array.shape[0], rows))
+            for part in parts:
+                self._data_file.write(memoryview(np.ascontiguousarray(part)).cast("B"))
             tensor.data_location = TensorProto.EXTERNAL
             for key, value in (("location", self.data_path.name), ("offset", str(self._offset)),
-                               ("length", str(len(raw)))):
+                               ("length", str(array.nbytes))):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, value
-            self._offset += len(raw)
+            self._offset += array.nbytes
         else:
-            tensor.raw_data = array.tobytes()
+            tensor.raw_data = np.ascontiguousarray(array).tobytes()
         self.inits.append(tensor)
         return name
 
@@ -200,20 +208,22 @@ def _np_to_onnx(dtype: np.dtype) -> int:
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: Path, *,
                   dtype: np.dtype = np.float32, untie_lm_head: bool = False, attention: str = "standard",
-                  max_context: int = 2048, io: ModelIO = ModelIO()) -> list[Path]:
+                  max_context: int = 2048, io: ModelIO = ModelIO(),
+                  on_layer: Callable[[int], None] | None = None) -> list[Path]:
     """Write ``out_path`` (.onnx) and its external data; return the files written.
 
     ``weights`` uses the canonical names of :mod:`specedge.export.weights`
     (``embed``, ``layers.{i}.q`` with shape [in, out], ...). ``untie_lm_head``
     writes a separate [hidden, vocab] MatMul weight for tied models, so the
     weight-only quantizer (which rewrites MatMul nodes) can reach the output layer. ``io`` names
-    the graph's inputs and outputs: pass the ModelIO the manifest entry records.
+    the graph's inputs and outputs: pass the ModelIO the manifest entry records. ``on_layer(n)`` is
+    called after each layer is written, with the number written so far (progress).
     """
     dtype = np.dtype(dtype)
     data_path = out_path.with_name(out_path.name + ".data")
     b = _Builder(dtype=dtype, data_path=data_path, io=io)
     try:
-        graph = _decoder_graph(b, spec, weights, untie_lm_head, attention, max_context)
+        graph = _decoder_graph(b, spec, weights, untie_lm_head, attention, max_context, on_layer)
         opsets = [helper.make_opsetid("", OPSET)]
         if attention == "gqa":
             opsets.append(helper.make_opsetid("com.microsoft", 1))
@@ -226,7 +236,8 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], out_path: P
 
 
 def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_lm_head: bool,
-                   attention: str = "standard", max_context: int = 2048) -> onnx.GraphProto:
+                   attention: str = "standard", max_context: int = 2048,
+                   on_layer: Callable[[int], None] | None = None) -> onnx.GraphProto:
     kv_type = _ONNX_DTYPE[b.dtype]
     io = b.io
     inputs = [
@@ -270,6 +281,8 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
     pending = None  # the last block's output, not yet added to the residual stream
     for i in range(s.n_layers):
         x, pending = _layer(b, s, w, i, x, pending, attend, fuse)
+        if on_layer is not None:
+            on_layer(i + 1)
     x, normed = _add_norm(b, s, w, x, pending, "norm", fuse)
     return _finish(b, s, w, untie_lm_head, inputs, outputs, (normed, embed), seq_axis=1 if gqa else 0)
 

@@ -32,6 +32,8 @@ class LoadedModel:
     # The checkpoint as given: an HF folder, or the GGUF file (not its dequantized copy, whose
     # tokenizer_config.json lacks the file's tokenizer.ggml.* flags). Tokenizer parity reads it.
     origin: Path | None = None
+    # A converted GGUF copy outside the cache (load_source's convert_into), for the caller to delete.
+    scratch: Path | None = None
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -71,15 +73,25 @@ def _converted_cache_dir(gguf: Path) -> Path:
     return cache_dir() / "converted" / f"{gguf.stem}-{key}"
 
 
-def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
-    """Dequantize a GGUF file to an HF safetensors folder once (40-130 s on 2 cores), then reuse it."""
+def load_gguf(path: Path, *, quiet: bool = False, into: Path | None = None) -> tuple[Path, str]:
+    """Dequantize a GGUF file to an HF safetensors folder (40-130 s on 2 cores for 1.5B parameters).
+
+    ``into`` None: into the cache, kept and reused by later runs. A folder: into that folder, which the
+    caller deletes when done (a float32 copy is 4 bytes a parameter: 7 GB for 1.5B). Either way, a
+    copy the cache already holds is reused.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = _converted_cache_dir(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out, f"gguf:{path.name}"
-    _log(f"converting {path.name} from GGUF (dequantizing; cached after this run)", quiet)
+    if into is None:
+        _log(f"converting {path.name} from GGUF (dequantizing; cached after this run)", quiet)
+    else:
+        _log(f"converting {path.name} from GGUF (dequantizing; the float32 copy is deleted after this export, "
+             "--keep-converted keeps it in the cache)", quiet)
+        out = into
     t = time.perf_counter()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
@@ -106,6 +118,12 @@ def load_gguf(path: Path, *, quiet: bool = False) -> tuple[Path, str]:
     return out, f"gguf:{path.name}"
 
 
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
 @contextlib.contextmanager
 def _library_progress_off(quiet: bool):
     """transformers' own progress bars ("Loading weights") off while ``quiet``, restored after."""
@@ -123,9 +141,15 @@ def _library_progress_off(quiet: bool):
             hf_logging.enable_progress_bar()
 
 
-def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) -> LoadedModel:
+def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False, stream: bool = False,
+                convert_into: Path | None = None) -> LoadedModel:
+    """Load ``src`` (see the module docstring). ``stream``: leave the weights in the checkpoint's
+    safetensors files and read each module's while it runs (export/streamed.py), for a folder whose
+    tensors map one to one onto the model's parameters; anything else loads whole, as without it.
+    ``convert_into``: a GGUF source not yet in the cache is converted into this folder, not the cache
+    (``LoadedModel.scratch`` then names it: the caller deletes it once done with the model)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_source(src)
     origin = path
@@ -133,7 +157,7 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
     if path.is_file():
         if path.suffix != ".gguf":
             raise ExportError(f"{path} is a file but not a .gguf; pass a GGUF file or an HF folder")
-        path, description = load_gguf(path, quiet=quiet)
+        path, description = load_gguf(path, quiet=quiet, into=convert_into)
     if not (path / "config.json").is_file():
         raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
     has_safetensors = any(path.glob("*.safetensors"))
@@ -143,17 +167,34 @@ def load_source(src: str, *, trust_pickle: bool = False, quiet: bool = False) ->
                           "when loaded; convert them to safetensors or pass --trust-pickle if you trust the source")
     if not has_safetensors and not pickles:
         raise ExportError(f"{path} has no weights (*.safetensors)")
+    if stream and has_safetensors:
+        from .streamed import load_streamed
+
+        try:
+            streamed = load_streamed(path)
+            tokenizer = _load_tokenizer(path) if streamed is not None else None
+        except (OSError, ValueError, KeyError) as exc:
+            raise ExportError(f"transformers could not load {path}: {exc}") from None
+        if streamed is not None:
+            _log(f"loading {description} (weights streamed from disk, one module at a time)", quiet)
+            return LoadedModel(streamed, tokenizer, description, _eos_ids(streamed, tokenizer), origin,
+                               _scratch(path, convert_into))
+        _log(f"{description}: its tensors do not map one to one onto the model's; loading it whole", quiet)
     _log(f"loading {description}", quiet)
     try:
         with _library_progress_off(quiet):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                          use_safetensors=has_safetensors or not trust_pickle,
                                                          trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        tokenizer = _load_tokenizer(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ExportError(f"transformers could not load {path}: {exc}") from None
     except Exception as exc:  # a corrupt safetensors file (SafetensorError), a pickle torch refuses (UnpicklingError)
         lines = str(exc).strip().splitlines() or [""]
         raise ExportError(f"transformers could not load {path}: {type(exc).__name__}: {lines[0][:300]}") from None
     model.eval()
-    return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer), origin)
+    return LoadedModel(model, tokenizer, description, _eos_ids(model, tokenizer), origin, _scratch(path, convert_into))
+
+
+def _scratch(path: Path, convert_into: Path | None) -> Path | None:
+    return path if convert_into is not None and path == convert_into else None

@@ -177,6 +177,7 @@ def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, grap
     for entry, graph in ((entry_a, graph_a), (entry_b, graph_b)):
         engine = OrtEngine(entry, graph, EngineOptions())
         logits.append(engine.forward(ids, engine.new_cache(), num_logits=n_tokens).copy())
+        del engine  # one session at a time: the next one's weights are not added to this one's
     a, b = logits
     if not np.isfinite(b).all():
         raise ExportValidationError(f"{graph_b.name} produced non-finite logits")
@@ -258,3 +259,38 @@ def exact_steps(entry: ModelEntry, graph: Path, *, max_verify: int = 9, reps: in
         ratios.append(time_forward(engine, kv, token) / one[-1])
     return ExactSteps(bit_identical=same, two_row_step_cost=round(float(np.median(ratios)), 3),
                       one_row_step_ms=round(float(np.median(one)) * 1e3, 3))
+
+
+def validation_layers(layer_windows: tuple[int, ...], n_layers: int) -> int:
+    """How many leading layers a layer-limited fp32 check builds: every distinct attention window of the
+    model (0 = full) in at least one layer, and at least two layers (a residual stream handed on from
+    one layer to the next), never more than ``n_layers``.
+
+    The graph builder makes every layer from the same code, by the layer's window and rope; those
+    leading layers therefore exercise every kind of layer the whole graph has.
+    """
+    windows = tuple(layer_windows[:n_layers])
+    first = max((windows.index(w) for w in set(windows)), default=0)
+    return min(n_layers, max(2, first + 1))
+
+
+def compare_with_source(model: Any, entry: ModelEntry, graph: Path, *, n_tokens: int = 64, seed: int = 0,
+                        layers: int | None = None, head_ids: np.ndarray | None = None) -> ComparisonRecord:
+    """Teacher-forced agreement of a graph with the PyTorch source itself on the random sequence
+    :func:`compare_graphs` uses (``n_tokens``, or the whole context where that is shorter): the
+    quantized graph's check when no whole fp32 graph is loaded (layer-limited validation).
+
+    ``layers`` / ``head_ids`` as in :func:`validate_graph`. Raises ExportValidationError on non-finite logits.
+    """
+    n_tokens = min(n_tokens, entry.max_context)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, entry.vocab_size, size=n_tokens).astype(np.int64)
+    reference = _torch_logits(model, ids, layers)
+    if head_ids is not None:
+        reference = reference[:, head_ids]
+    engine = OrtEngine(entry, graph, EngineOptions())
+    got = engine.forward(ids, engine.new_cache(), num_logits=n_tokens).copy()
+    if not np.isfinite(got).all():
+        raise ExportValidationError(f"{graph.name} produced non-finite logits")
+    return ComparisonRecord(top1_agreement=float((reference.argmax(-1) == got.argmax(-1)).mean()),
+                            max_abs_diff=float(np.abs(reference - got).max()))

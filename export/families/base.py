@@ -145,6 +145,14 @@ def to_numpy(t: Any) -> np.ndarray:
     return t.detach().to("cpu").float().numpy()
 
 
+def read_lazily(sd: Mapping, key: str, *, transpose: bool = False) -> Lazy:
+    """``sd[key]`` as float32 (transposed to [in, out] if asked), read each time the builder reads it.
+
+    With an in-memory model this is a view of the parameter (no copy); with a streamed one
+    (export/streamed.py) a read from disk, so no matrix is held between the builder's uses."""
+    return Lazy(lambda: to_numpy(sd[key]).T if transpose else to_numpy(sd[key]))
+
+
 def rope_parameters(config: Any) -> dict:
     """The config's rope dict (transformers 5 ``rope_parameters``, older ``rope_scaling``), or {}."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -309,11 +317,11 @@ class Decoder(Family):
         return model.model
 
     def global_weights(self, sd: Mapping, cfg: Any) -> dict[str, np.ndarray]:
-        w = {"embed": to_numpy(sd["model.embed_tokens.weight"]), "norm": to_numpy(sd["model.norm.weight"])}
+        w = {"embed": read_lazily(sd, "model.embed_tokens.weight"), "norm": to_numpy(sd["model.norm.weight"])}
         if "model.norm.bias" in sd:
             w["norm_bias"] = to_numpy(sd["model.norm.bias"])
         if not getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" in sd:
-            w["lm_head"] = to_numpy(sd["lm_head.weight"]).T
+            w["lm_head"] = read_lazily(sd, "lm_head.weight", transpose=True)
         return w
 
     def layer_weights(self, sd: Mapping, cfg: Any, i: int, n_heads: int, n_kv: int,
@@ -340,8 +348,9 @@ class Decoder(Family):
 
 def linear(sd: Mapping, module: str, name: str, transpose: bool = True) -> dict[str, np.ndarray]:
     """``{name: weight (transposed to [in, out] for linears), name_bias: bias}`` of one HF module."""
-    weight = to_numpy(sd[f"{module}.weight"])
-    w = {name: weight.T if transpose else weight}
+    # Matrices are read when the graph builder asks (a streamed source reads them from disk then); norm
+    # vectors are small and are read now (a family may offset them).
+    w = {name: read_lazily(sd, f"{module}.weight", transpose=True) if transpose else to_numpy(sd[f"{module}.weight"])}
     if f"{module}.bias" in sd:
         w[f"{name}_bias"] = to_numpy(sd[f"{module}.bias"])
     return w

@@ -132,18 +132,21 @@ def _plant_custom_code(src: Path, marker: Path, model_type: str | None = None) -
 
 @pytest.fixture
 def spy_from_pretrained(monkeypatch):
-    """Record the keyword arguments of every transformers Auto*.from_pretrained call."""
+    """Record the keyword arguments of every transformers Auto*.from_pretrained call, and of
+    AutoModelForCausalLM.from_config (how export builds a model whose weights it streams)."""
     import transformers
 
     calls: list[tuple[str, dict]] = []
-    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer, transformers.AutoConfig):
-        real = cls.from_pretrained.__func__
+    for cls, method in ((transformers.AutoModelForCausalLM, "from_pretrained"),
+                        (transformers.AutoModelForCausalLM, "from_config"),
+                        (transformers.AutoTokenizer, "from_pretrained"), (transformers.AutoConfig, "from_pretrained")):
+        real = getattr(cls, method).__func__
 
         def spy(klass, *args, _real=real, _name=cls.__name__, **kwargs):
             calls.append((_name, dict(kwargs)))
             return _real(klass, *args, **kwargs)
 
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+        monkeypatch.setattr(cls, method, classmethod(spy))
     return calls
 
 
