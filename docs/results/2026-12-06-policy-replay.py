@@ -13,7 +13,7 @@ same numbers on any box. Left out: TTFT, per-step bookkeeping, pipelining. Not a
   python docs/results/2026-12-06-policy-replay.py replay REPLIES.json BENCH.json [CATCHUP_SHARE=0.3] [-v]
 
 replay prints, per workload, the median and worst reply speedup (plain decode time / replayed decode time) for
-the policy with and without each of this change's two rules (LOOKUP_PRIOR_WEIGHT, LEND_FIRST_STEP)."""
+the policy with and without DefaultK.LEND_FIRST_STEP (set any other class constant before simulate() to try it)."""
 import json, sys
 import numpy as np
 
@@ -122,22 +122,23 @@ def simulate(replies, target_s, rounds=2, policy_cls=None, max_k=8, verbose=Fals
     return out
 
 def compare(replies, bench, share, verbose=False):
-    import itertools, math
+    """Per workload, the median/worst reply speedup with LEND_FIRST_STEP off and on."""
+    import math
     from specedge.runtime.policies import DefaultK
     target_s = {int(k): v for k, v in bench["target_s"].items()}
     draft = (bench["draft_token_s"], bench["draft_token_s"] * share)
     cats = None
-    saved = DefaultK.LOOKUP_PRIOR_WEIGHT, DefaultK.LEND_FIRST_STEP
-    for pw, lend in itertools.product((None, saved[0]), (False, True)):
-        DefaultK.LOOKUP_PRIOR_WEIGHT, DefaultK.LEND_FIRST_STEP = pw, lend
+    saved = DefaultK.LEND_FIRST_STEP
+    for lend in (False, True):
+        DefaultK.LEND_FIRST_STEP = lend
         res = simulate(replies, target_s, 2, draft=draft, verbose=verbose)
         if cats is None:
             cats = list(res)
-            print(f"{'prior_weight, lend':<20}" + "".join(f"{c:>15}" for c in cats) + "  geomean")
+            print(f"{'lend first step':<16}" + "".join(f"{c:>15}" for c in cats) + "  geomean")
         gm = math.exp(sum(math.log(res[c][0]) for c in cats) / len(cats))
-        print(f"{str(pw) + ', ' + str(lend):<20}" + "".join(f"{res[c][0]:>8.3f}/{res[c][1]:.3f}"[-15:].rjust(15) for c in cats)
+        print(f"{str(lend):<16}" + "".join(f"{res[c][0]:>8.3f}/{res[c][1]:.3f}"[-15:].rjust(15) for c in cats)
               + f"  {gm:.3f}")
-    DefaultK.LOOKUP_PRIOR_WEIGHT, DefaultK.LEND_FIRST_STEP = saved
+    DefaultK.LEND_FIRST_STEP = saved
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ class AdaptiveSnapshot(Snapshot):
 
     acceptance: tuple[float, ...] = ()  # learned per-position acceptance (empty: none learned)
     observed: int = 0  # positions 0..observed-1 have had at least one outcome
-    outcomes: tuple[int, ...] = ()  # outcomes seen per position (read only with a prior_weight)
 
 
 class AdaptiveK:
@@ -63,26 +62,13 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, *, beta: float = EMA_WEIGHT, probe_every: int = 16,
                  costs: CostModel | None = None, start_k: int | None = None,
-                 acceptance: list[float] | None = None, observed: int = 0,
-                 prior_weight: float | None = None, outcomes: list[int] | None = None) -> None:
+                 acceptance: list[float] | None = None, observed: int = 0) -> None:
         """``acceptance``/``observed``: per-position estimates to start from (the previous
-        reply's, so the first catch-up is judged on what drafts achieved, not on a prior).
-
-        ``prior_weight``: the starting acceptance counts as this many outcomes, so a position's
-        n-th outcome moves its estimate by ``max(beta, 1 / (prior_weight + n))`` (a running mean
-        until the EMA takes over): a prior the text contradicts is dropped within 1-2 outcomes
-        instead of ~5. None: the plain EMA from the first outcome. ``outcomes``: the outcomes
-        seen per position so far (the previous reply's, with ``acceptance``)."""
+        reply's, so the first catch-up is judged on what drafts achieved, not on a prior)."""
         if max_k < 0:
             raise InvalidParameterError(f"max_draft_tokens must be >= 0; got {max_k}")
         if not 0 < beta <= 1:
             raise InvalidParameterError(f"beta must be in (0, 1]; got {beta}")
-        if prior_weight is not None and not (prior_weight >= 0 and prior_weight < float("inf")):
-            raise InvalidParameterError(f"prior_weight must be a finite number >= 0; got {prior_weight}")
-        self.prior_weight = prior_weight
-        self.outcomes = [0] * max_k
-        if outcomes:
-            self.outcomes[:min(len(outcomes), max_k)] = [max(int(n), 0) for n in outcomes[:max_k]]
         self.max_k = max_k
         self.beta = beta
         self.probe_every = probe_every
@@ -186,8 +172,7 @@ class AdaptiveK:
                 if i >= self.observed > 0:
                     self.alpha[i] = self.alpha[self.observed - 1]  # start from what it borrowed
                 outcome = 1.0 if i < step.accepted else 0.0
-                self.outcomes[i] += 1
-                self.alpha[i] = ema(self.alpha[i], outcome, self._weight(i))
+                self.alpha[i] = ema(self.alpha[i], outcome, b)
             self.observed = max(self.observed, reached)
             if step.accepted == step.drafted:
                 # All accepted: the positions past the draft drift towards the last one reached.
@@ -195,13 +180,6 @@ class AdaptiveK:
                     self.alpha[i] = ema(self.alpha[i], self.alpha[reached - 1], b)
         self.mode_s["speculative" if step.drafted else "plain"] += step.draft_s + step.verify_s
 
-    def _weight(self, i: int) -> float:
-        """The weight of position i's newest outcome: ``beta``, or with a ``prior_weight`` the running
-        mean's ``1 / (prior_weight + n)`` while that is larger (n: outcomes at i, this one included)."""
-        if self.prior_weight is None:
-            return self.beta
-        return max(self.beta, 1.0 / (self.prior_weight + self.outcomes[i]))
-
     def snapshot(self) -> AdaptiveSnapshot:
         return AdaptiveSnapshot(catchup_deferred=self.catchup_deferred, mode_s=tuple(self.mode_s.items()),
-                                acceptance=tuple(self.alpha), observed=self.observed, outcomes=tuple(self.outcomes))
+                                acceptance=tuple(self.alpha), observed=self.observed)

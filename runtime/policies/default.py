@@ -26,7 +26,6 @@ class DefaultSnapshot(Snapshot):
     # The lookup's, one entry per LOOKUP_CONFIDENCE class.
     lookup_acceptance: tuple[tuple[float, ...], ...] = ()
     lookup_observed: tuple[int, ...] = ()
-    lookup_outcomes: tuple[tuple[int, ...], ...] = ()  # ... and the outcomes seen per position
     budget_s: float = 0.0  # the exploration budget left
     plain_s: float = 0.0  # what plain decoding would have spent on this reply's steps
     overhead_s: float = 0.0  # net seconds speculation spent beyond that (negative: it saved time)
@@ -112,11 +111,6 @@ class DefaultK:
     # first-position acceptance measured per class over the bench's workloads, a property of the
     # text and the match length rather than of the CPU (docs/design/policy.md#lookup-priors).
     LOOKUP_PRIORS = (0.4, 0.6, 0.8, 0.9)
-    # Each class's prior counts as one outcome: a class's first outcomes move its estimate by 1/2,
-    # 1/3, 1/4, then the EMA's 0.2. The priors are pooled over every workload, so they flatter
-    # low-repetition text (chat, voice), where short lookups and guesses are right 0-30% of the
-    # time; in fast mode each rejected row costs a share of a step (docs/design/policy.md#lookup-prior-weight).
-    LOOKUP_PRIOR_WEIGHT = 1.0
 
     # The lookup share (``lookup_share``) carried from earlier replies counts as this many tokens of
     # evidence against the current reply's own: half a typical 64-token reply, so a reply unlike the
@@ -126,7 +120,7 @@ class DefaultK:
     def __init__(self, max_k: int, *, costs: CostModel, has_model: bool, start_k: int | None = None,
                  model_acceptance: list[float] | None = None, model_observed: int = 0,
                  lookup_acceptance: Sequence[Sequence[float]] | None = None, lookup_observed: Sequence[int] = (),
-                 lookup_outcomes: Sequence[Sequence[int]] = (), budget_s: float = 0.0, model_realized: Sequence[float] | None = None,
+                 budget_s: float = 0.0, model_realized: Sequence[float] | None = None,
                  lookup_share: float | None = None) -> None:
         """``costs``: the drafter's one CostModel (the loop feeds it); the ``*_acceptance``,
         ``budget_s``, ``model_realized`` and ``lookup_share``: what the previous reply ended with (its
@@ -144,13 +138,10 @@ class DefaultK:
         view = costs.lookup_view()
         carried = list(lookup_acceptance or ())
         observed = list(lookup_observed)
-        outcomes = list(lookup_outcomes)
         self.lookups = tuple(AdaptiveK(max_k, costs=view, start_k=start_k,
                                        acceptance=list(carried[i]) if i < len(carried) and len(carried[i])
                                        else [prior] * max_k,
-                                       observed=observed[i] if i < len(observed) else 0,
-                                       prior_weight=self.LOOKUP_PRIOR_WEIGHT,
-                                       outcomes=list(outcomes[i]) if i < len(outcomes) else None)
+                                       observed=observed[i] if i < len(observed) else 0)
                              for i, prior in enumerate(self.LOOKUP_PRIORS))
         self.model = AdaptiveK(max_k, costs=costs, start_k=start_k, acceptance=model_acceptance,
                                observed=model_observed) if has_model else None
@@ -169,7 +160,7 @@ class DefaultK:
         return cls(setup.max_draft_tokens, costs=setup.costs, has_model=setup.has_model, start_k=setup.start_k,
                    model_acceptance=list(learned.acceptance) or None, model_observed=learned.observed,
                    lookup_acceptance=learned.lookup_acceptance, lookup_observed=learned.lookup_observed,
-                   lookup_outcomes=learned.lookup_outcomes, budget_s=learned.budget_s, model_realized=learned.model_realized,
+                   budget_s=learned.budget_s, model_realized=learned.model_realized,
                    lookup_share=learned.lookup_share)
 
     def lookup_share(self) -> float:
@@ -205,7 +196,6 @@ class DefaultK:
             if seen is not None and seen.expected_tokens(1) > side.expected_tokens(1):
                 side.alpha = list(seen.alpha)
                 side.observed = seen.observed
-                side.outcomes = list(seen.outcomes)
         return side
 
     def choose(self, limit: int, *, catchup_tokens: int = 0, expected_remaining: float | None = None,
@@ -327,7 +317,6 @@ class DefaultK:
             catchup_deferred=model.catchup_deferred + sum(s.catchup_deferred for s in lookups),
             mode_s=tuple(self.mode_s.items()), acceptance=model.acceptance, observed=model.observed,
             lookup_acceptance=tuple(s.acceptance for s in lookups), lookup_observed=tuple(s.observed for s in lookups),
-            lookup_outcomes=tuple(s.outcomes for s in lookups),
             budget_s=self.budget_s, plain_s=self.plain_s, overhead_s=self.overhead_s,
             lookup_steps=self.steps["lookup"], model_steps=self.steps["model"], guess_steps=self.steps["guess"],
             model_realized=tuple(self.model_realized) if self.model_realized is not None else None,
