@@ -470,7 +470,7 @@ class Generator:
                input_ids: Sequence[int] | None = None, config: GenerationConfig | None = None,
                callback: Callable[[str], None] | None = None, **overrides) -> TextStream:
         """Yield text deltas as blocks commit. ``stream.result`` holds the GenerationResult
-        once the iterator is exhausted; ``stream.cancel()`` stops at the next block boundary.
+        once the iterator is exhausted; ``stream.cancel()`` stops the forward in progress (CPU) or the next block.
         With ``callback``, runs to completion calling it with each delta and returns the stream;
         a callback that raises ends the generation (the Generator is released) and the error
         propagates."""

@@ -24,7 +24,7 @@ cached conversation is never reused, not even its prefix, by another's request: 
 
 Graceful shutdown (``begin_shutdown``, called by server/serving.py on SIGTERM before
 uvicorn stops): new requests get 503, queued ones 503, and the running one may
-finish within the grace period; past it, it is cut at its next block boundary and its
+finish within the grace period; past it, it is cut (inside its forward on CPU) and its
 client gets what was generated with finish_reason "length" (streams: a finishing
 chunk and ``[DONE]``).
 """

@@ -42,8 +42,9 @@ MAX_HEAD_BYTES = 32 * 1024  # h11's default is 16 KiB; 32 KiB leaves room for lo
 # time and --queue-size wait; the rest are /health probes and clients being refused.
 MAX_CONNECTIONS = 128
 KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed after this
-# After the grace period the running reply stops at its next block boundary (one verify
-# step: well under a second on any model specedge runs) and its last chunks are written;
+# After the grace period the running reply stops inside its forward (CPU) or at its next block
+# boundary (GPU; one verify step: well under a second on any model specedge runs) and its last
+# chunks are written;
 # uvicorn waits this much longer before it cancels what is left.
 SHUTDOWN_MARGIN_S = 5.0
 OVERLOAD_RETRY_AFTER_S = 1  # what a 503 past MAX_CONNECTIONS suggests: most connections are short requests

@@ -127,7 +127,7 @@ class GenerationWorker:
     def drain(self) -> None:
         """Begin a graceful shutdown: refuse new jobs, answer every waiting one with ShuttingDown.
 
-        The running job keeps going; ``cut_running()`` stops it at its next block boundary.
+        The running job keeps going; ``cut_running()`` stops it (inside its forward on CPU).
         """
         with self._cond:
             self._draining = True
@@ -139,7 +139,7 @@ class GenerationWorker:
             job._emit("error", ShuttingDown("the server is shutting down; this request was not started"))
 
     def cut_running(self) -> None:
-        """Stop the running job at its next block boundary (the end of the shutdown grace period).
+        """Stop the running job now (the end of the shutdown grace period): inside its forward on CPU.
 
         Its client still gets what was generated, with finish_reason "length".
         """
@@ -195,7 +195,7 @@ class GenerationWorker:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client left: free its slot now if it waits, stop it at the next block if it runs.
+        """The client left: free its slot now if it waits, stop its forward in progress if it runs.
 
         A no-op for a job that already finished.
         """
