@@ -88,12 +88,14 @@ class DefaultK:
     # 64-token catch-up fits, a winning streak cannot fund a long losing one.
     BUDGET_STEPS = 512
     # The draft model's first step in a deployment (its acceptance never observed) is lent by the
-    # budget, which then pays it back (the step's net cost is charged, so the budget may go below
-    # zero): a fresh Generator's budget could pay the draft's prompt prefill only after ~4 replies,
-    # so the draft model never ran on the bench's chat turns, which it runs at 1.19x alone. The
-    # step still runs only where the rest of the reply repays its catch-up (``catchup_pays``);
-    # where the model loses, the loss is at most one draft window's catch-up and one step's drafts
-    # once per deployment (docs/design/policy.md#the-first-model-step).
+    # budget, and so are the steps of that reply that follow it with the draft warm (no catch-up):
+    # their net cost is charged, but for the first step's prompt prefill, so the budget may go below
+    # zero and is paid back. A fresh Generator's budget could pay the draft's prompt prefill only
+    # after ~4 replies, so the draft model never ran on the bench's chat turns, which it runs at
+    # 1.19x alone. The steps still run only where the rest of the reply repays the catch-up
+    # (``catchup_pays``) and the model's estimates choose k > 0; where the model loses, the loss is
+    # one draft window's catch-up and the few steps its acceptance takes to fall, once per
+    # deployment (docs/design/policy.md#the-first-model-step).
     LEND_FIRST_STEP = True
     # The model's realized rate: EMA weight per model step (one step's tokens are all-or-nothing, so
     # slower than the acceptance's EMA_WEIGHT: ~10 steps), and the drift back towards the predicted
@@ -152,6 +154,7 @@ class DefaultK:
         self.mode_s = {"speculative": 0.0, "plain": 0.0}
         self.steps = {"lookup": 0, "model": 0, "plain": 0, "guess": 0}  # how the steps were served
         self.lending = False  # the model step chosen last is the deployment's first, lent (LEND_FIRST_STEP)
+        self.lent_reply = False  # this reply ran that step
 
     @classmethod
     def from_snapshot(cls, setup: PolicySetup, learned: DefaultSnapshot | None) -> "DefaultK":
@@ -217,8 +220,10 @@ class DefaultK:
         model_remaining = None if expected_remaining is None else expected_remaining * (1.0 - self.lookup_share())
         k = self.model.choose_k(limit, catchup_tokens=catchup_tokens, expected_remaining=model_remaining)
         # The draft model's probes, priors and catch-ups run only when the budget covers their loss,
-        # but for its first step in a deployment, which the budget lends (LEND_FIRST_STEP).
-        lent = self.LEND_FIRST_STEP and self.model.observed == 0
+        # but for its first step in a deployment, which the budget lends, and the steps of that reply
+        # that follow it while the draft stays warm (no catch-up): LEND_FIRST_STEP.
+        lent = self.LEND_FIRST_STEP and (self.model.observed == 0 or
+                                         (self.lent_reply and catchup_tokens <= self.costs.USUAL_FEED))
         while k > 0 and not lent and self.costs.loss_if_rejected(k, catchup_tokens) > self.budget_s:
             k -= 1  # what the budget cannot cover if every draft is rejected
         # ... and only while what it realized beats what it would replace (undiscounted rates); a probe
@@ -228,7 +233,8 @@ class DefaultK:
             self._forget_realized(k)
             k = 0
         if k > 0:
-            self.lending = lent
+            self.lending = lent and self.model.observed == 0
+            self.lent_reply = self.lent_reply or self.lending
             return DraftPlan(k, MODEL_SOURCE)
         return lookup[1] if lookup is not None else PLAIN
 

@@ -18,7 +18,7 @@ import pytest
 
 from specedge.errors import InvalidParameterError
 from specedge.runtime import loop
-from specedge.runtime.policies import PLAIN, DefaultK, DraftPlan
+from specedge.runtime.policies import PLAIN, DefaultK, DraftPlan, PolicySetup
 from specedge.runtime.costs import CostModel
 from specedge.runtime.drafting import ANY_SOURCE, LOOKUP_SOURCE, MODEL_SOURCE, NO_LOOKUP, LookupOffer
 from specedge.runtime.sampling import SamplingConfig
@@ -503,8 +503,13 @@ def test_the_first_model_step_of_a_deployment_is_lent_and_its_prompt_prefill_not
     loss = plan.k * DRAFT_S + verify_s(plan.k + 1) - STEP_S  # what the step lost beside its prefill
     assert fresh.budget_s == pytest.approx(DefaultK.EXPLORE_SHARE * STEP_S - loss)
     assert fresh.overhead_s == pytest.approx(loss + catchup_s)  # the real account keeps the prefill
-    # Lent once: the next model step (a new prefill after plain steps) waits for the budget.
+    # The reply's next steps with the draft warm (no catch-up) are lent too, though the budget is spent ...
+    warm = fresh.choose(8, catchup_tokens=1, expected_remaining=500)
+    assert fresh.budget_s < 0 and warm.source == MODEL_SOURCE and warm.k > 0
+    # ... but not a new prefill after plain steps, nor a warm step in the next reply: the budget gates them.
     assert fresh.choose(8, catchup_tokens=64, expected_remaining=500) == PLAIN
+    nxt = DefaultK.from_snapshot(PolicySetup(8, 8, 8, costs, True), fresh.snapshot())
+    assert nxt.choose(8, catchup_tokens=1, expected_remaining=500) == PLAIN
     # Switched off, the first step is gated like every other (the rule before the lend).
     class Unlent(DefaultK):
         LEND_FIRST_STEP = False
