@@ -260,7 +260,9 @@ class _ModelExporter:
             self.reports[f"{role}:{precision}-vs-source"] = compare_with_source(
                 self.loaded.model, entry, graph, layers=layers, head_ids=head_ids)
         self.progress(f"{role}: measuring verify rows against single steps (batch variance)")
+        gc.collect()  # an ORT session is freed by the collector (reference cycles): one session at a time
         self.batch_variance[role] = batch_variance(entry, graph)
+        gc.collect()
         shutil.rmtree(scratch)
         return entry
 
@@ -522,6 +524,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
 
         progress.note("target: checking that plain steps equal verify rows on this machine")
         exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
+        gc.collect()  # that check's session, before the next one opens
         if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
                   "a verify row, so exact mode (--exact) will refuse this bundle; fast mode runs it as usual",

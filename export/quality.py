@@ -88,8 +88,16 @@ def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Cal
     except InvalidParameterError as exc:
         note(f"quality: not measured ({exc})")
         return None
-    record = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())), torch_scorer(model),
-                      source_name=source)
+    # The source scores every chunk before the bundle's session exists, and its logits are kept (at most
+    # EXPORT_MAX_TOKENS per kind x vocabulary floats): a streamed source (export/streamed.py) then never
+    # holds a module's weights next to the session's. The numbers are the same as scoring in turn.
+    scored = {}
+    source_scorer = torch_scorer(model)
+    for chunks in plan.kinds.values():
+        for ids in chunks:
+            scored[np.asarray(ids, np.int64).tobytes()] = source_scorer(ids)
+    record = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())),
+                      lambda ids: scored[np.asarray(ids, np.int64).tobytes()], source_name=source)
     s = record.overall
     note(f"quality on {s.positions} tokens of built-in text: perplexity {s.perplexity:.3f} vs source "
          f"{s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement {s.top1_agreement:.3f}")

@@ -148,3 +148,25 @@ def test_a_gguf_sources_float32_copy_is_kept_only_when_asked(tiny_model, tmp_pat
     assert len(kept) == (1 if keep else 0) and all(name.startswith("tiny-qwen3-") for name in kept)
     assert not any(name.startswith(".") for name in manifest.files)  # the scratch copy is not in the bundle
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no partial folder left either
+
+
+def test_the_export_quality_record_is_the_one_scored_in_turn(tiny_model, tmp_path):
+    """export_quality scores the source first and keeps its logits; the record equals run_eval's in turn."""
+    from specedge.bundle.manifest import load_manifest
+    from specedge.engines.base import EngineOptions
+    from specedge.engines.ort import OrtEngine
+    from specedge.export.quality import export_quality, torch_scorer
+    from specedge.quality.evaluate import EXPORT_MAX_TOKENS, builtin_texts, engine_scorer, plan_eval, run_eval
+    from specedge.runtime.loading import load_codec
+
+    folder = tiny_model("llama")
+    _export(folder, tmp_path / "b")
+    entry = load_manifest(tmp_path / "b").target
+    graph = tmp_path / "b" / entry.graph
+    codec = load_codec(tmp_path / "b", load_manifest(tmp_path / "b").tokenizer)
+    model = load_source(str(folder), quiet=True, stream=True).model
+    got = export_quality(graph, entry, codec, model, "src", lambda _: None)
+    plan = plan_eval(builtin_texts(), codec, max_context=entry.max_context, max_tokens=EXPORT_MAX_TOKENS)
+    expected = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())), torch_scorer(model),
+                        source_name="src")
+    assert got == expected
