@@ -26,7 +26,6 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import PROMPT_IDS
 from exactness import assert_agrees, exact_holds
 from specedge.engines.base import EngineOptions, Interrupt
 from specedge.errors import ForwardCancelled
