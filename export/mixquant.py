@@ -102,10 +102,12 @@ class Blocks:
 
 
 def quantize(weight: np.ndarray, form: TensorQuant) -> Blocks:
-    """``weight`` [N, K] float32 (rows are outputs; K a multiple of ``form.block``) as blocks of ``form``."""
+    """``weight`` [N, K] float32 (rows are outputs) as blocks of ``form``; K is zero-padded to a multiple of
+    the block, as ONNX Runtime's quantizer pads it (``dequantize()`` then has the padded width)."""
     n, k = weight.shape
     if k % form.block:
-        raise InvalidParameterError(f"the input axis ({k}) is not a multiple of block {form.block}")
+        weight = np.pad(np.asarray(weight, np.float32), ((0, 0), (0, form.block - k % form.block)))
+        k = weight.shape[1]
     parts = [_quantize_rows(np.asarray(weight[i:i + _ROWS_PER_CHUNK], np.float32).reshape(-1, k // form.block,
                                                                                            form.block), form)
              for i in range(0, n, _ROWS_PER_CHUNK)]
@@ -175,14 +177,13 @@ def _layer(name: str) -> tuple[int, str] | None:
 def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
     """The mix ``mix`` (one of :data:`MIXES`) as a function graph weight name -> :class:`TensorQuant`.
 
-    ``block``: the 4-bit weights' block size (export --block-size / --tune); 8-bit weights keep
-    block 32 (their scale costs 1 bit per weight there; llama.cpp's Q8_0 uses the same).
+    ``block``: every weight's block size (export --block-size / --tune).
     """
     if mix not in MIXES:
         raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
     sym4 = TensorQuant(4, block, True)
     asym4 = TensorQuant(4, block, False, search=mix != "asym4-head8-rtn")
-    int8 = TensorQuant(8, 32, True)
+    int8 = TensorQuant(8, block, True)
 
     def plan(name: str) -> TensorQuant:
         if mix == "rtn-sym4":
@@ -212,4 +213,6 @@ MIXES = {
     "asym4-head8-embed4": "asymmetric searched int4 blocks, the embedding included; the output head symmetric int8",
     "asym4-head8-more": "asym4-head8, plus int8 ffn down and q|k|v projections on llama.cpp's use_more_bits layers",
 }
-DEFAULT_MIX = "asym4-head8"
+# The best perplexity ratio per stored bit measured on SmolLM2 and Qwen2.5-Coder-0.5B
+# (docs/results/2026-12-06-float-quantization.md).
+DEFAULT_MIX = "asym4-head8-more"

@@ -18,6 +18,7 @@ one quantized by ONNX Runtime tensor for tensor (tests/integration/test_streamin
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -298,9 +299,9 @@ def _quantize_planned(src: Path, dst: Path, *, plan: "Plan", accuracy_level: int
                                                   domain="com.microsoft", **attrs))
             elif quantize_embeddings and node.op_type == "Gather" and node.input[0] in inits:
                 table = inits[node.input[0]]
-                form = plan(table.name)
+                node, form = _planned_gather(node, table, plan(table.name), src_dir, out, new_inits)
                 chosen[table.name] = (form, int(np.prod(table.dims)))
-                new_nodes.append(_planned_gather(node, table, form, src_dir, out, new_inits))
+                new_nodes.append(node)
             else:
                 new_nodes.append(node)
         used = {name for n in new_nodes for name in n.input}
@@ -321,12 +322,17 @@ def _quantize_planned(src: Path, dst: Path, *, plan: "Plan", accuracy_level: int
 
 
 def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataFile, new_inits: dict):
-    """GatherBlockQuantized over ``table`` [vocab, hidden] in ``form`` (uint8 data, ``bits`` 4 or 8), in row chunks."""
+    """GatherBlockQuantized over ``table`` [vocab, hidden] in ``form`` (uint8 data, ``bits`` 4 or 8), in row
+    chunks; returns the node and the form written."""
     from onnx import TensorProto, helper
 
     from .mixquant import quantize
 
     dims = tuple(table.dims)
+    if len(dims) == 2 and dims[1] % form.block and dims[1] % 32 == 0:
+        # a lookup returns whole rows, so the table cannot be padded like a MatMul's input axis: a block
+        # that does not divide the width falls back to 32 (and the record says so)
+        form = replace(form, block=32)
     if len(dims) != 2 or dims[1] % form.block:
         raise ValueError(f"{table.name}: a planned embedding needs a 2-D table whose width is a multiple of "
                          f"{form.block}; got {dims}")
@@ -357,4 +363,4 @@ def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataF
     axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
     return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
                             name=f"{node.name}_Q{form.bits}" if node.name else "", domain="com.microsoft",
-                            gather_axis=axis, quantize_axis=1, block_size=form.block, bits=form.bits)
+                            gather_axis=axis, quantize_axis=1, block_size=form.block, bits=form.bits), form

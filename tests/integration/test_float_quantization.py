@@ -82,8 +82,6 @@ def test_bad_forms_are_refused():
         TensorQuant(3, 32, True)
     with pytest.raises(InvalidParameterError, match="power of two"):
         TensorQuant(4, 24, True)
-    with pytest.raises(InvalidParameterError, match="not a multiple of block 32"):
-        quantize(np.ones((2, 48), np.float32), TensorQuant(4, 32, False))
     with pytest.raises(InvalidParameterError, match="unknown quantization mix"):
         make_plan("q4_k_m", 4)
 
@@ -95,7 +93,7 @@ def test_mixes_choose_per_tensor():
     assert plan("layers.1.down") == TensorQuant(4, 32, False, search=True)
     assert plan("layers.0.qkv").bits == 8 and plan("layers.1.qkv") == TensorQuant(4, 32, False, search=True)
     default = make_plan(DEFAULT_MIX, 8, block=64)
-    assert default("layers.3.gate_up").block == 64 and default("lm_head").block == 32
+    assert default("layers.3.gate_up").block == default("lm_head").block == 64
     assert make_plan("rtn-sym4", 8)("lm_head") == TensorQuant(4, 32, True)
     embed4 = make_plan("asym4-head8-embed4", 8)
     assert embed4("lm_head").bits == 8 and embed4("embed") == TensorQuant(4, 32, False, search=True)
@@ -138,6 +136,26 @@ def test_onnxruntime_reads_the_blocks_as_numpy_does(tmp_path, form):
     w_deq = quantize(np.ascontiguousarray(w.T), form).dequantize().T
     np.testing.assert_allclose(y, x @ w_deq, rtol=1e-5, atol=1e-4)  # fp32 compute (accuracy_level 0)
     assert np.array_equal(e, quantize(table, form).dequantize()[ids])  # a lookup is exact
+
+
+def test_an_input_axis_off_the_block_is_zero_padded(tmp_path):
+    """K = 80 at block 32: three blocks, the last one half zeros; ORT's MatMulNBits reads it with K=80."""
+    ort = pytest.importorskip("onnxruntime")
+    from specedge.export.rtn import quantize_streaming
+
+    src, w, table = _tiny_graph(tmp_path, k=80)
+    form = TensorQuant(4, 32, False, search=True)
+    blocks = quantize(np.ascontiguousarray(w.T), form)
+    assert blocks.q.shape == (w.shape[1], 3, 32)
+    assert np.array_equal(blocks.dequantize()[:, 80:], np.zeros((w.shape[1], 16), np.float32))
+    chosen: dict = {}
+    quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
+                       quantize_embeddings=False, plan=lambda name: form, chosen=chosen)
+    assert set(chosen) == {"layers.0.down"}  # the table stays fp32 without quantize_embeddings
+    x = np.random.default_rng(6).standard_normal((1, 3, 80)).astype(np.float32)
+    y, _ = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "ids": np.array([[0, 1, 2]], np.int64)})
+    np.testing.assert_allclose(y, x @ blocks.dequantize()[:, :80].T, rtol=1e-5, atol=1e-4)
 
 
 def test_quantization_records_round_trip():
