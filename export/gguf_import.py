@@ -482,11 +482,11 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         # offsets [vocab, K/block] gathered, spread over their blocks by a 0/1 [K/block, K] matrix
         off = const(f"{key}.gguf_offsets", form.offsets.astype(np.float32))
         spread = const(f"{key}.gguf_spread", np.repeat(np.eye(n_blocks, dtype=np.float32), form.block, axis=1))
-        new_nodes.extend([helper.make_node("Gather", [off, ids], [f"{key}.gguf_off_rows"], name=f"{key}.gguf_off_gather",
-                                       axis=0),
-                      helper.make_node("MatMul", [f"{key}.gguf_off_rows", spread], [f"{key}.gguf_off_wide"],
-                                       name=f"{key}.gguf_off_spread"),
-                      helper.make_node("Add", [rows, f"{key}.gguf_off_wide"], [node.output[0]], name=f"{key}.gguf_add")])
+        new_nodes.extend([
+            helper.make_node("Gather", [off, ids], [f"{key}.gguf_off_rows"], name=f"{key}.gguf_off_gather", axis=0),
+            helper.make_node("MatMul", [f"{key}.gguf_off_rows", spread], [f"{key}.gguf_off_wide"],
+                             name=f"{key}.gguf_off_spread"),
+            helper.make_node("Add", [rows, f"{key}.gguf_off_wide"], [node.output[0]], name=f"{key}.gguf_add")])
         return data, off
 
     parts_of: dict[str, list[Part] | None] = {}
