@@ -237,6 +237,7 @@ class _ModelExporter:
 
             if tune_block_size:
                 self.progress("tune: the GGUF's own blocks are kept, so there is no block size to choose")
+            self.progress(f"{role}: writing the graph with the GGUF's own quantization")
             files, self.gguf_import[role] = import_gguf(
                 src_graph, graph, gguf, self.weights, n_layers=spec.n_layers, n_heads=spec.n_heads,
                 n_kv_heads=spec.n_kv_heads, accuracy_level=cfg.accuracy_level, head_ids=head_ids, note=self.progress)

@@ -365,10 +365,13 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     """
     import onnx
     from onnx import helper, numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     tensors = GgufTensors(gguf_path)
     candidates = source_names(tensors.arch, n_layers)
-    model = onnx.load(str(src))
+    # The graph without its weights: those replaced by the file's blocks are never read (a 1.5B model's
+    # fp32 weights are 7 GB); the ones kept are read below, one at a time.
+    model = onnx.load(str(src), load_external_data=False)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     record: dict[str, KeptTensor] = {}
@@ -534,6 +537,11 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
                                           [node.output[0]], name=f"{key}.gguf_concat", axis=-1))
     read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
     kept_inits = [t for t in graph.initializer if t.name not in dropped or t.name in read]
+    for tensor in kept_inits:
+        if uses_external_data(tensor):  # saved again below, into dst's own data file
+            load_external_data_for_tensor(tensor, str(src.parent))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
     del graph.node[:]
     graph.node.extend(new_nodes)
     del graph.initializer[:]
