@@ -840,5 +840,6 @@ class ManifestExtra:
                                 for k, r in check_type(v, f"{where}.gguf_import.{role}", dict).items()}
                          for role, v in kept.items()},
             quality=QualityRecord.from_dict(quality, f"{where}.quality") if quality is not None else None,
-            quantization={role: QuantMix.from_dict(v, f"{where}.quantization.{role}") for role, v in quantization.items()},
+            quantization={role: QuantMix.from_dict(v, f"{where}.quantization.{role}")
+                          for role, v in quantization.items()},
         )

@@ -201,7 +201,8 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def export(target, draft, out, precision, draft_precision, draft_layers, draft_vocab, max_context, max_draft_tokens, block_size,
-           accuracy_level, attention, requantize, quant_mix, trust_pickle, engine, trt_route, trt_precision, tune, exact, overwrite, quiet,
+           accuracy_level, attention, requantize, quant_mix, trust_pickle, engine, trt_route, trt_precision, tune, exact,
+           overwrite, quiet,
            as_json, validation, keep_converted) -> None:
     """Turn a target (and optionally a draft) into a validated ONNX bundle.
 

@@ -46,7 +46,8 @@ class TensorQuant:
 
     ``bits``: 4 or 8; ``block``: elements of the input axis per scale (a power of two >= 16);
     ``symmetric``: no zero points (4 bits: zp 8, 8 bits: zp 128, the kernels' defaults);
-    ``search``: each block's scale (and zero point) minimises the block's squared error over :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
+    ``search``: each block's scale (and zero point) minimises the block's squared error over
+    :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
     """
 
     bits: int
