@@ -43,6 +43,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..bundle.manifest import ModelIO
+from .mixquant import EMBEDDING_TABLE
 
 OPSET = 18  # ReduceMean takes axes as an input from 18 on, as ORT's int4 quantizer (opset 21) expects
 _ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -263,7 +264,7 @@ def _decoder_graph(b: _Builder, s: DecoderSpec, w: dict[str, np.ndarray], untie_
                                                              ["new_tokens", s.n_kv_heads, s.head_dim]))
 
     pos = b.one("Reshape", [io.positions, b.ints("shape_flat2", [-1])])  # [n]
-    embed = b.weight("embed", w["embed"])
+    embed = b.weight(EMBEDDING_TABLE, w["embed"])
     # The fused GQA graph keeps activations [1, n, hidden] end to end, the shape GroupQueryAttention
     # and SkipSimplifiedLayerNormalization take: no Reshape around every attention call.
     ids = io.input_ids if gqa else b.one("Reshape", [io.input_ids, b.ints("shape_flat", [-1])])  # [1, n] / [n]

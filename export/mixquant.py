@@ -39,6 +39,11 @@ from ..errors import InvalidParameterError
 SEARCH_STEPS = tuple(np.round(np.arange(-0.5, 2.01, 0.1), 2))
 _ROWS_PER_CHUNK = 1024  # output rows quantized at once (bounds the search's temporaries)
 
+# The token embedding's initializer name in our graphs (export/graph.py): the one constant-table lookup the
+# quantizers may quantize (the rotary cos/sin caches and learned position tables are gathered too, and stay
+# float: they are small, and positions are where rounding hurts most).
+EMBEDDING_TABLE = "embed"
+
 
 @dataclass(frozen=True)
 class TensorQuant:
@@ -191,7 +196,7 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
             return sym4
         if mix == "asym4":
             return asym4
-        if name == "lm_head" or (name == "embed" and mix != "asym4-head8-embed4"):
+        if name == "lm_head" or (name == EMBEDDING_TABLE and mix != "asym4-head8-embed4"):
             return int8
         where = _layer(name)
         if (mix == "asym4-head8-more" and where is not None and where[1] in ("down", "qkv")

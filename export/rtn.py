@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from .mixquant import EMBEDDING_TABLE
+
 if TYPE_CHECKING:
     from .mixquant import Plan, TensorQuant
 
@@ -174,7 +176,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
                 new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
                                                   name=f"{node.name}_Q{bits}" if node.name else "",
                                                   domain="com.microsoft", **attrs))
-            elif gather and node.op_type == "Gather" and node.input[0] in inits:
+            elif gather and _is_embedding_lookup(node, inits):
                 table = inits[node.input[0]]
                 if chosen is not None:
                     chosen[table.name] = (_legacy_form(bits, block_size, symmetric), int(np.prod(table.dims)))
@@ -201,6 +203,11 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     if data_path.stat().st_size == 0:
         os.unlink(data_path)
     return [dst] + ([data_path] if data_path.exists() else [])
+
+
+def _is_embedding_lookup(node, inits: dict) -> bool:
+    """Whether ``node`` gathers rows of the token embedding (the only table lookup that is quantized)."""
+    return node.op_type == "Gather" and node.input[0] == EMBEDDING_TABLE and EMBEDDING_TABLE in inits
 
 
 def _legacy_form(bits: int, block_size: int, symmetric: bool) -> "TensorQuant":
@@ -297,7 +304,7 @@ def _quantize_planned(src: Path, dst: Path, *, plan: "Plan", accuracy_level: int
                 new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
                                                   name=f"{node.name}_Q{form.bits}" if node.name else "",
                                                   domain="com.microsoft", **attrs))
-            elif quantize_embeddings and node.op_type == "Gather" and node.input[0] in inits:
+            elif quantize_embeddings and _is_embedding_lookup(node, inits):
                 table = inits[node.input[0]]
                 node, form = _planned_gather(node, table, plan(table.name), src_dir, out, new_inits)
                 chosen[table.name] = (form, int(np.prod(table.dims)))

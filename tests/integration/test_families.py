@@ -240,6 +240,10 @@ def test_partial_rotary_takes_the_fused_path_only_when_ort_allows_it(tiny_model,
         graph = onnx.load(str(bundle / "target" / "model.onnx"), load_external_data=False).graph
         gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
         fused = [any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) for n in gqa]
+        # The int4 draft quantizes the token embedding's lookup only: the rotary tables a rotation outside the
+        # op gathers stay float (rounding positions would move every attention score).
+        draft = onnx.load(str(bundle / "draft" / "model.onnx"), load_external_data=False).graph
+        assert [n.input[0] for n in draft.node if n.op_type == "GatherBlockQuantized"] == ["embed_Q8"]
         # rotate_half's Neg marks a rotation outside the op (one more Neg reads num_logits_to_keep).
         return fused, sum(n.op_type == "Neg" for n in graph.node) - 1
 

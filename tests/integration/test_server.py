@@ -261,7 +261,9 @@ def test_seeded_sampling_equals_generate(served, gen):
                                                   top_p=0.95, seed=7, extra_body={"specedge": {
                                                       "draft_tokens": 3, "reply_memory": False, "exact": True}})
     assert got.choices[0].message.content == want.text
-    assert set(got.model_extra["specedge"]["k_chosen"]) <= {"3", "2", "1"}  # k shrinks only near max_tokens
+    # The call's k on every step but the last, which drafts fewer (maybe 0) when max_tokens leaves less room.
+    k_chosen = got.model_extra["specedge"]["k_chosen"]
+    assert k_chosen.get("3", 0) >= 1 and sum(n for k, n in k_chosen.items() if k != "3") <= 1, k_chosen
 
 
 def test_latency_cap_and_draft_window_per_request(served, gen):
