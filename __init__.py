@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "Generator": "specedge.runtime.generator",
-    "GenerationConfig": "specedge.runtime.generator",
-    "GenerationResult": "specedge.runtime.generator",
+    "GenerationConfig": "specedge.runtime.options",
+    "GenerationResult": "specedge.runtime.results",
     "GenerationStats": "specedge.runtime.stats",
     "SamplingConfig": "specedge.runtime.sampling",
     "EngineOptions": "specedge.engines.base",

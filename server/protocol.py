@@ -24,7 +24,8 @@ from typing import Any
 
 from ..errors import ChatTemplateError, ContextOverflowError, InvalidParameterError, SpecedgeError
 from ..runtime.drafters import needs_draft_model
-from ..runtime.generator import GenerationConfig, GenerationResult
+from ..runtime.options import GenerationConfig
+from ..runtime.results import GenerationResult
 from ..runtime.options import OPTIONS, check
 from .limits import CACHE_SHARING
 from .worker import ShuttingDown

@@ -25,7 +25,8 @@ import time
 from collections import deque
 
 from ..errors import SpecedgeError
-from ..runtime.generator import GenerationConfig, Generator, TextStream
+from ..runtime.generator import GenerationConfig, Generator
+from ..runtime.results import TextStream
 from ..runtime.slots import common_prefix
 
 log = logging.getLogger("specedge.server")

@@ -331,7 +331,7 @@ def test_the_worker_runs_a_waiting_request_before_queued_prefills():
     import asyncio
     import threading
 
-    from specedge.runtime.generator import GenerationResult
+    from specedge.runtime.results import GenerationResult
     from specedge.runtime.options import GenerationConfig
     from specedge.server.worker import GenerationWorker, Job
 
