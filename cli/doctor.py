@@ -212,9 +212,9 @@ def render(facts: dict[str, Any]) -> str:
 def doctor(as_json: bool, verify: bool, device_id: int) -> None:
     """Report what this machine can run: ONNX Runtime providers, TensorRT, GPUs, CPU features, RAM, extras."""
     if verify:
-        from .verify import run_verify
+        from ..bench.device_check import run_verify
 
-        report = run_verify(device_id)
+        report = run_verify(device_id, machine=collect())
         click.echo(json.dumps(report, indent=2))
         if not report["ok"]:
             raise SystemExit(1)

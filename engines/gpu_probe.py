@@ -2,7 +2,7 @@
 device address an engine binds (:class:`AddressLog`), and the device's memory bandwidth.
 
 Engine-level only (onnxruntime, TensorRT, cuda-python; imported when called): the checks that
-run generations live in ``cli/verify.py``, the tiny models they export in ``export/tiny.py``.
+run generations live in ``bench/device_check.py``, the tiny models they export in ``export/tiny.py``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import pytest
 from conftest import PROMPT_IDS
 from specedge.engines import EngineOptions, create_engine
 from specedge.engines.ort import OrtEngine
-from specedge.cli.verify import AddressLog, device_bandwidth, route_missing, weight_bytes
+from specedge.bench.device_check import weight_bytes
+from specedge.engines.gpu_probe import AddressLog, device_bandwidth, route_missing
 from specedge.engines.tensorrt import runtime_facts
 from specedge.bundle.manifest import load_manifest
 

@@ -107,7 +107,7 @@ def test_every_address_the_native_engine_binds_is_256_byte_aligned(standard_pair
 
 def test_every_device_address_of_the_ort_gpu_engine_is_aligned_and_tokens_hold(standard_pair):
     """The device-cache ORT engine, on host memory (provider cpu), with its bindings recorded."""
-    from specedge.cli.verify import AddressLog
+    from specedge.engines.gpu_probe import AddressLog
     from specedge.engines.ort import OrtEngine
     from specedge.engines.ort_cuda import OrtCudaEngine
 
@@ -675,7 +675,7 @@ def test_doctor_verify_checks_what_this_machine_allows_and_says_what_it_skipped(
     from click.testing import CliRunner
 
     from specedge.cli.main import main
-    from specedge.cli.verify import ROUTES, route_missing
+    from specedge.engines.gpu_probe import ROUTES, route_missing
 
     out = CliRunner().invoke(main, ["doctor", "--verify"])
     assert out.exit_code == 0, out.output[-3000:]
@@ -697,7 +697,7 @@ def test_doctor_verify_checks_what_this_machine_allows_and_says_what_it_skipped(
 
 
 def test_doctor_verify_without_the_exporter_skips_everything_and_says_why(monkeypatch):
-    from specedge.cli import verify
+    from specedge.bench import device_check as verify
 
     monkeypatch.setattr(verify, "exporter_missing", lambda: "the exporter needs torch and transformers (test)")
     report = verify.run_verify(routes=("cpu-mode",))
@@ -717,7 +717,7 @@ def gqa_bundle(tiny_model, export) -> Path:
 
 def test_fixed_address_steps_give_the_dynamic_engines_logits_and_never_rebind(gqa_bundle):
     """What a captured CUDA graph needs: after a token count's first run, no address or shape changes."""
-    from specedge.cli.verify import AddressLog
+    from specedge.engines.gpu_probe import AddressLog
     from specedge.engines.ort_cuda import OrtCudaEngine
 
     entry = load_manifest(gqa_bundle, verify_checksums=False).target

@@ -204,12 +204,12 @@ def _passed(result: dict[str, Any]) -> bool:
         "fp16_gqa_speculative_equals_plain", True)
 
 
-def run_verify(device_id: int = 0, workdir: Path | None = None, routes: tuple[str, ...] = ROUTES) -> dict[str, Any]:
-    """Run every check this machine allows; return the report (``ok`` is False only when a check failed)."""
-    from .doctor import collect
-
+def run_verify(device_id: int = 0, workdir: Path | None = None, routes: tuple[str, ...] = ROUTES, *,
+               machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run every check this machine allows; return the report (``ok`` is False only when a check failed).
+    ``machine``: the facts to report it under (``specedge doctor`` passes what it collected)."""
     started = time.perf_counter()
-    report: dict[str, Any] = {"machine": collect(), "routes": {}, "not_checked": []}
+    report: dict[str, Any] = {"machine": machine or {}, "routes": {}, "not_checked": []}
     missing = {route: route_missing(route) for route in routes}
     exporter = exporter_missing()
     if exporter:
