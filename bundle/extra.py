@@ -367,8 +367,9 @@ class QuantizedTensor:
 
 @dataclass(frozen=True)
 class QuantMix:
-    """A float source's per-tensor quantization (``export --quant-mix``): the mix's name and, per
-    graph weight (``layers.3.qkv``, ``lm_head``, ``embed``), its :class:`QuantizedTensor`."""
+    """A float source's per-tensor quantization (``export --quant-mix``): the mix's name (one of the int4
+    mixes, or ``rtn-sym8`` for an int8 export: symmetric 8-bit min/max blocks everywhere) and, per graph
+    weight (``layers.3.qkv``, ``lm_head``, ``embed``), its :class:`QuantizedTensor`."""
 
     mix: str
     tensors: dict[str, QuantizedTensor]

@@ -166,9 +166,9 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="gqa", show_default=True,
               help="gqa = ONNX Runtime's fused GroupQueryAttention (in-place KV, fewer nodes; Llama/Qwen); "
               "standard = plain ONNX ops (portable, e.g. for native TensorRT). GPT-2 always uses standard.")
-@click.option("--requantize", is_flag=True, help="GGUF sources: round the file's dequantized weights again to "
-              "symmetric blocks at --precision's bits and --block-size (what int4 did before it kept the file's "
-              "quantization; int8 of a GGUF needs this flag).")
+@click.option("--requantize", is_flag=True, help="GGUF sources: round the file's dequantized weights again, as "
+              "a float checkpoint's are (int4: --quant-mix; int8: symmetric 8-bit blocks), at --block-size (what "
+              "int4 did before it kept the file's quantization; int8 of a GGUF needs this flag).")
 @click.option("--quant-mix", type=click.Choice(list(MIXES)), default=DEFAULT_MIX, show_default=True,
               help="int4 of a float source (or with --requantize): each weight's form. "
               + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
@@ -176,8 +176,8 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--validation", type=click.Choice(["auto", "whole", "layers"]), default="auto", show_default=True,
               help="int4/int8: how the fp32 graph that is quantized is checked against the source. whole: all of "
               "it in one ONNX Runtime session (4 bytes a parameter in memory); layers: an fp32 graph of the first "
-              "layers (one of every attention kind) over every validation edge, then the quantized graph compared "
-              "with the source, whose weights are read one module at a time; auto: layers above 1 GiB of fp32 "
+              "layers (one of every kind: attention window and rope) over every validation edge, then the quantized "
+              "graph compared with the source, whose weights are read one module at a time; auto: layers above 1 GiB of fp32 "
               "weights (a 270M-parameter model).")
 @click.option("--keep-converted", is_flag=True, help="GGUF sources: keep the float32 HF copy the export dequantizes "
               "the file to (4 bytes a parameter) in the cache for later exports; by default it is deleted when the "
@@ -194,7 +194,8 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               "--block-size, quantize at block 32, 64 and 128 and keep the one whose 1-row step is fastest and that "
               "agrees with fp32 as often as block 32 (a few minutes more); then time draft/target steps and "
               "v(k) and record the cost profile, so the "
-              "adaptive controller starts informed. Both records name this machine (`specedge info`).")
+              "adaptive controller starts informed. Both records name this machine (`specedge info`). Its fp32 greedy "
+              "reference runs the whole fp32 graph (4 bytes a parameter in memory), whatever --validation says.")
 @click.option("--exact", is_flag=True, help="For bundles run in exact mode (`--exact` at generation): --tune times "
               "exact 2-row plain steps and keeps only a layout whose plain steps equal verify rows bit for bit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
@@ -337,11 +338,13 @@ def info(bundle: Path, as_json: bool, **kw) -> None:
     """Validate a bundle and describe its models, tokenizer, speculation defaults and what a
     conversation cache slot costs."""
     from ..bundle.manifest import load_manifest
+    from ..runtime.loading import check_speculation
     from ..runtime.slots import SlotCost
 
     load = load_from(kw)
     cache_slots = load.cache_slots
     manifest = load_manifest(bundle, verify_checksums=load.verify_checksums)
+    check_speculation(manifest)  # what loading refuses, info refuses too (the format checks only spelling)
     cost = SlotCost.of(manifest)
     if as_json:
         described = manifest.to_json()

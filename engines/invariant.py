@@ -29,7 +29,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..errors import ForwardCancelled, InvalidParameterError
 from .base import Engine, KVCache
 
 MIN_ROWS = 2  # every forward computes at least this many rows (and logit rows)
@@ -89,7 +89,14 @@ class BatchInvariantEngine:
         token = int(ids[0])
         if start > 0:
             kv.rewind(1)
-            logits = self.inner.forward(np.array([tokens[start - 1], token], np.int64), kv, MIN_ROWS)
+            try:
+                logits = self.inner.forward(np.array([tokens[start - 1], token], np.int64), kv, MIN_ROWS)
+            except ForwardCancelled:
+                # A cancelled forward leaves the length where the call found it (engines/base.py): row
+                # start - 1 holds the same K/V whether or not this forward rewrote it (exact mode's rows
+                # are bit-identical wherever they sit), so the rewound row is simply taken back.
+                kv.length = start
+                raise
             tokens[start] = token
             return logits[-1:]
         kv.reserve(MIN_ROWS)

@@ -74,7 +74,7 @@ class ExportConfig:
     exact: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
     # A GGUF source at int4 keeps the file's own quantization (export/gguf_import.py); True rounds its
-    # dequantized weights again, to symmetric blocks at --precision's bits (the way an HF checkpoint is).
+    # dequantized weights again, the way an HF checkpoint's are (int4: quant_mix; int8: symmetric blocks).
     requantize: bool = False
     # int4 from a float source (or --requantize): the per-tensor mix (export/mixquant.py MIXES); the
     # default is the best quality per byte measured (docs/results/2026-12-06-float-quantization.md).
@@ -269,7 +269,7 @@ class _ModelExporter:
 
     def _plan(self, bits: int, n_layers: int, block: int):
         """The per-tensor plan for ``--quant-mix`` at int4 (None: ONNX Runtime's own symmetric rounding, the
-        layout of int8 and of mix rtn-sym4, byte for byte)."""
+        layout of int8 and of mix rtn-sym4)."""
         from .mixquant import make_plan
 
         if bits != 4 or self.config.quant_mix == "rtn-sym4":
@@ -292,7 +292,7 @@ class _ModelExporter:
         if mode == "auto":
             fp32_bytes = 4 * sum(p.numel() for p in self.loaded.model.parameters())
             mode = "whole" if fp32_bytes <= WHOLE_VALIDATION_BYTES else "layers"
-        return None if mode == "whole" else validation_layers(spec.layer_windows, spec.n_layers)
+        return None if mode == "whole" else validation_layers(spec)
 
     def _validate_first_layers(self, role: str, n: int, spec, weights, source: str, head_file: Path | None,
                                check: dict) -> None:

@@ -61,6 +61,7 @@ from typing import Callable
 import numpy as np
 
 from ..bundle.extra import KeptTensor
+from .mixquant import pack_blocks, pack_zero_points
 
 QK_K = 256  # elements per K-quant super-block
 
@@ -91,19 +92,10 @@ class BlockForm:
         return w.reshape(w.shape[0], -1)
 
     def packed(self) -> np.ndarray:
-        """[N, K/block, block*bits/8] uint8: MatMulNBits' B (4 bits: element 2j low nibble, 2j+1 high)."""
-        if self.bits == 8:
-            return np.ascontiguousarray(self.q)
-        return np.ascontiguousarray(self.q[..., 0::2] | (self.q[..., 1::2] << 4))
+        return pack_blocks(self.q, self.bits)
 
     def packed_zero_points(self) -> np.ndarray:
-        """[N, ceil(K/block * bits / 8)] uint8: MatMulNBits' zero_points (4 bits: block 2j low nibble)."""
-        z = self.zero_points
-        if self.bits == 8:
-            return np.ascontiguousarray(z)
-        if z.shape[1] % 2:
-            z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
-        return np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))
+        return pack_zero_points(self.zero_points, self.bits)
 
     def integral(self) -> "BlockForm | None":
         """The candidate with integer zero points instead of the offsets: z = zp - offset/scale rounded,

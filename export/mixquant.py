@@ -92,19 +92,28 @@ class Blocks:
         return w.reshape(w.shape[0], -1)
 
     def packed(self) -> np.ndarray:
-        """[N, K/block, block*bits/8] uint8: MatMulNBits' B (4 bits: element 2j in the low nibble)."""
-        if self.bits == 8:
-            return np.ascontiguousarray(self.q)
-        return np.ascontiguousarray(self.q[..., 0::2] | (self.q[..., 1::2] << 4))
+        return pack_blocks(self.q, self.bits)
 
     def packed_zero_points(self) -> np.ndarray:
-        """[N, ceil(K/block * bits / 8)] uint8: MatMulNBits' zero_points (4 bits: block 2j low nibble)."""
-        zp = self.zero_points
-        if self.bits == 8:
-            return np.ascontiguousarray(zp)
-        if zp.shape[1] % 2:
-            zp = np.concatenate([zp, np.zeros((zp.shape[0], 1), np.uint8)], axis=1)
-        return np.ascontiguousarray(zp[:, 0::2] | (zp[:, 1::2] << 4))
+        return pack_zero_points(self.zero_points, self.bits)
+
+
+def pack_blocks(q: np.ndarray, bits: int) -> np.ndarray:
+    """``q`` [N, K/block, block] uint8 levels -> [N, K/block, block*bits/8] uint8: MatMulNBits' B (4 bits:
+    element 2j in the low nibble, 2j+1 in the high one). The one definition of the nibble order."""
+    if bits == 8:
+        return np.ascontiguousarray(q)
+    return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
+
+
+def pack_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
+    """``zero_points`` [N, K/block] uint8 -> [N, ceil(K/block * bits / 8)] uint8: MatMulNBits' (and
+    GatherBlockQuantized's) zero_points (4 bits: block 2j in the low nibble; an odd count padded with 0)."""
+    if bits == 8:
+        return np.ascontiguousarray(zero_points)
+    if zero_points.shape[1] % 2:
+        zero_points = np.concatenate([zero_points, np.zeros((zero_points.shape[0], 1), np.uint8)], axis=1)
+    return np.ascontiguousarray(zero_points[:, 0::2] | (zero_points[:, 1::2] << 4))
 
 
 def quantize(weight: np.ndarray, form: TensorQuant) -> Blocks:

@@ -1,7 +1,7 @@
 """Progress with an estimate of the time left, for the export's long phases (issue #38 item 4).
 
-``Eta(what, total, emit)`` is told how many of ``total`` units are done (layers written, validation
-forwards run) and emits ``"      writing the fp32 graph: 8/16 layers, 21 s, about 21 s left"`` at most
+``Eta(what, total, unit, emit)`` is told how many of ``total`` units are done (today: the layers of a
+graph being written) and emits ``"      writing the fp32 graph: 8/16 layers, 21 s, about 21 s left"`` at most
 every ``every_s`` seconds and once at the end. The estimate is the rate so far: layers of one
 model cost alike, so the rest takes about (total - done) x (elapsed / done). Its lines carry no
 ``(t=..s)`` stamp, so ``specedge export-measure`` (export/measure.py) does not take them for phases.

@@ -12,7 +12,10 @@ one is read. Peak memory is then about one fp32 weight plus its quantized form.
 The rewrite is the quantizer's own (QOperator format, axis 0 blocks for MatMul, axis 1 for
 Gather): the same initializer names (``W_Q4``, ``W_scales``), node names, attributes, opset
 (21, IR 10, when the embedding's Gather takes int4) and bytes, so a graph quantized here equals
-one quantized by ONNX Runtime tensor for tensor (tests/integration/test_streaming_quantize.py).
+one quantized by ONNX Runtime tensor for tensor (tests/integration/test_streaming_quantize.py),
+with one deliberate difference: only the token embedding's Gather is quantized. ONNX Runtime's
+quantizer takes every Gather over a constant table, so in a standard-attention or GPT-2 graph it
+would round the rotary cos/sin caches and the learned position table too; those stay float here.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
 
     MatMul nodes with a constant 2-D weight become MatMulNBits at ``bits``; with ``quantize_embeddings``
-    and 4 bits, a Gather over a constant table becomes GatherBlockQuantized (ORT quantizes Gather at 4 bits
+    and 4 bits, the token embedding's Gather becomes GatherBlockQuantized (ORT quantizes Gather at 4 bits
     only). Everything else is copied unchanged.
 
     With ``plan`` (export/mixquant.py: weight name -> form), each MatMul weight and, with

@@ -119,6 +119,11 @@ class StreamedStateDict(Mapping):
             return torch.from_numpy(read_float32(self._sources[key]))
         return self._buffers[key]
 
+    def __contains__(self, key: object) -> bool:
+        # Mapping's own __contains__ calls __getitem__, which would read (and widen) the whole tensor
+        # from disk to answer ``"lm_head.weight" in state_dict``.
+        return key in self._sources or key in self._buffers
+
     def __iter__(self) -> Iterator[str]:
         yield from self._sources
         yield from (k for k in self._buffers if k not in self._sources)
@@ -210,7 +215,9 @@ def _install_hooks(model: Any, sources: Mapping[str, TensorRecord]) -> None:
             del mod._streamed_placeholders
 
         module.register_forward_pre_hook(load)
-        module.register_forward_hook(unload)
+        # always_call: a forward that raises still puts the placeholders back (else the real weights would
+        # stay resident, and the next pre-hook would keep them as the "placeholders").
+        module.register_forward_hook(unload, always_call=True)
 
 
 def load_streamed(folder: Path) -> StreamedModel | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from ..engines.base import EngineOptions
 from ..engines.ort import OrtEngine
 from ..errors import ExportValidationError
 from ..bundle.manifest import ModelEntry
+
+if TYPE_CHECKING:
+    from .graph import DecoderSpec
 
 # fp32 graphs reorder float sums relative to PyTorch; across ~30 layers that moves
 # logits by ~1e-5 of their scale. 1e-3 of the scale still catches any real bug
@@ -261,17 +264,18 @@ def exact_steps(entry: ModelEntry, graph: Path, *, max_verify: int = 9, reps: in
                       one_row_step_ms=round(float(np.median(one)) * 1e3, 3))
 
 
-def validation_layers(layer_windows: tuple[int, ...], n_layers: int) -> int:
-    """How many leading layers a layer-limited fp32 check builds: every distinct attention window of the
-    model (0 = full) in at least one layer, and at least two layers (a residual stream handed on from
-    one layer to the next), never more than ``n_layers``.
+def validation_layers(spec: DecoderSpec) -> int:
+    """How many leading layers a layer-limited fp32 check builds: every distinct kind of layer of the
+    model (its attention window, 0 = full, and its rope table, -1 = none, as SmolLM3's NoPE layers) in at
+    least one layer, and at least two layers (a residual stream handed on from one layer to the next),
+    never more than ``spec.n_layers``.
 
     The graph builder makes every layer from the same code, by the layer's window and rope; those
     leading layers therefore exercise every kind of layer the whole graph has.
     """
-    windows = tuple(layer_windows[:n_layers])
-    first = max((windows.index(w) for w in set(windows)), default=0)
-    return min(n_layers, max(2, first + 1))
+    kinds = [(spec.window(i), spec.rope(i)) for i in range(spec.n_layers)]
+    first = max((kinds.index(kind) for kind in set(kinds)), default=0)
+    return min(spec.n_layers, max(2, first + 1))
 
 
 def compare_with_source(model: Any, entry: ModelEntry, graph: Path, *, n_tokens: int = 64, seed: int = 0,

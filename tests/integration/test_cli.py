@@ -242,3 +242,18 @@ def test_typed_errors_exit_2_with_one_line_and_no_traceback(args, message, llama
 def test_usage_errors_are_clicks(llama_bundle):
     result = CliRunner().invoke(main, ["generate", str(llama_bundle)])  # --prompt missing
     assert result.exit_code == 2 and "Missing option '--prompt'" in result.stderr
+
+
+def test_info_refuses_a_drafter_that_loading_refuses(int4_bundle, tmp_path):
+    """A well-spelled drafter the registry does not know passes the format's check; info, which
+    validates the bundle, refuses it as loading does (one error line, exit 2)."""
+    import shutil
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(int4_bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["speculation"]["drafter"] = "telepathy"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["info", str(copy), "--no-verify-checksums"])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "speculation.drafter" in result.output and "telepathy" in result.output

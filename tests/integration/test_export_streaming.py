@@ -170,3 +170,19 @@ def test_the_export_quality_record_is_the_one_scored_in_turn(tiny_model, tmp_pat
     expected = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())), torch_scorer(model),
                         source_name="src")
     assert got == expected
+
+
+def test_layered_validation_builds_one_layer_of_every_kind():
+    """Every distinct (window, rope) pair gets a layer: a NoPE layer (rope -1) or a sliding window
+    first met at layer 3 makes the check build 4 layers; a uniform model builds 2."""
+    from types import SimpleNamespace
+
+    from specedge.export.validate import validation_layers
+
+    def spec(n_layers, window=lambda i: 0, rope=lambda i: 0):
+        return SimpleNamespace(n_layers=n_layers, window=window, rope=rope)
+
+    assert validation_layers(spec(8)) == 2
+    assert validation_layers(spec(8, rope=lambda i: -1 if i % 4 == 3 else 0)) == 4  # SmolLM3's NoPE layers
+    assert validation_layers(spec(8, window=lambda i: 0 if i % 6 == 5 else 512)) == 6  # Gemma 3's 5:1
+    assert validation_layers(spec(1)) == 1

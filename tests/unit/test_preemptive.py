@@ -103,7 +103,11 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
     assert summary["cancel_to_free_p50_s"] <= summary["cancel_to_free_p90_s"] <= summary["cancel_to_free_max_s"]
     text = format_report(report, CancelPlan(attempts=3, after_blocks=2))
     assert f"{summary['turns_within_bound']} of 2 preemptive turns within it" in text
-    assert "bound" not in report.to_json()["turns"][0] and "prompt_ids" not in report.to_json()["turns"][0]
+    # The JSON carries each preemptive turn's bound with its sum, a cold turn none, and no turn its token ids.
+    json_turns = {(t["config"], t["turn"]): t for t in report.to_json()["turns"]}
+    bounded = json_turns["preemptive", 0]
+    assert bounded["bound"]["bound_s"] == rows["preemptive", 0].bound.bound_s and "prompt_ids" not in bounded
+    assert all("bound" not in t for (config, _), t in json_turns.items() if config != "preemptive")
     for turn in range(2):
         final = rows["preemptive", turn]
         assert len(final.attempts) == 3 and all(a.ran for a in final.attempts)  # cancelled while streaming

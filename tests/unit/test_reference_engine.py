@@ -115,3 +115,36 @@ def test_the_shared_seeds_give_long_varied_continuations_and_a_draft_that_disagr
     guesses = np.argmax(draft.forward(np.array(history[:-1], np.int64), draft.new_cache(), len(out)), axis=-1)
     agreement = float(np.mean(guesses == np.array(out)))
     assert 0.3 < agreement < 0.9, agreement  # accepted blocks and corrections both occur
+
+
+def test_a_cancelled_exact_step_leaves_the_cache_length_where_it_was(engine):
+    """Exact mode's 1-token step rewinds a row to recompute it in a 2-row forward; a forward stopped by a
+    cancel (engines/base.py ForwardCancelled) must leave ``kv.length`` as the call found it, and the next
+    step then gives the bits an uncancelled run gives."""
+    from specedge.engines.invariant import BatchInvariantEngine
+    from specedge.errors import ForwardCancelled
+
+    class CancelledOnce:
+        def __init__(self, inner):
+            self.inner, self.vocab_size, self.max_context, self.armed = inner, inner.vocab_size, inner.max_context, False
+
+        def new_cache(self):
+            return self.inner.new_cache()
+
+        def forward(self, ids, kv, num_logits=1):
+            if self.armed:
+                self.armed = False
+                raise ForwardCancelled("cancelled inside the forward (test)")
+            return self.inner.forward(ids, kv, num_logits)
+
+    flaky, clean = BatchInvariantEngine(CancelledOnce(engine)), BatchInvariantEngine(engine)
+    kv, kv_clean = flaky.new_cache(), clean.new_cache()
+    prompt = np.asarray(PROMPT_IDS, np.int64)
+    flaky.forward(prompt, kv)
+    clean.forward(prompt, kv_clean)
+    flaky.inner.armed = True
+    with pytest.raises(ForwardCancelled):
+        flaky.forward(np.array([5], np.int64), kv)
+    assert kv.length == len(prompt)
+    assert np.array_equal(flaky.forward(np.array([5], np.int64), kv), clean.forward(np.array([5], np.int64), kv_clean))
+    assert kv.length == kv_clean.length == len(prompt) + 1

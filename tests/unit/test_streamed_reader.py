@@ -81,3 +81,18 @@ def test_a_header_that_is_not_json_is_refused(tmp_path):
 def test_a_dtype_it_does_not_widen_means_not_streamable(tmp_path):
     _write(tmp_path / "model.safetensors", {"q": ("I8", np.ones(4, np.int8)), "w": ("F32", np.ones(4, np.float32))})
     assert read_safetensors_index(tmp_path) is None
+
+
+def test_membership_reads_nothing_from_disk(tmp_path, monkeypatch):
+    """``"lm_head.weight" in state_dict`` (the family builders ask it of every optional weight) answers
+    from the index: reading the tensor to answer would cost the whole head's I/O on an 8B model."""
+    _write(tmp_path / "model.safetensors", {"embed.weight": ("F32", np.ones((4, 2), np.float32))})
+    records = read_safetensors_index(tmp_path)
+
+    def no_reads(*_args, **_kw):
+        raise AssertionError("a membership test read a tensor")
+
+    monkeypatch.setattr(streamed, "read_float32", no_reads)
+    state = streamed.StreamedStateDict(records, {"rotary.inv_freq": object()})
+    assert "embed.weight" in state and "rotary.inv_freq" in state
+    assert "lm_head.weight" not in state and 1 not in state
