@@ -177,8 +177,8 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               help="int4/int8: how the fp32 graph that is quantized is checked against the source. whole: all of "
               "it in one ONNX Runtime session (4 bytes a parameter in memory); layers: an fp32 graph of the first "
               "layers (one of every kind: attention window and rope) over every validation edge, then the quantized "
-              "graph compared with the source, whose weights are read one module at a time; auto: layers above 1 GiB of fp32 "
-              "weights (a 270M-parameter model).")
+              "graph compared with the source, whose weights are read one module at a time; auto: layers above "
+              "1 GiB of fp32 weights (a 270M-parameter model).")
 @click.option("--keep-converted", is_flag=True, help="GGUF sources: keep the float32 HF copy the export dequantizes "
               "the file to (4 bytes a parameter) in the cache for later exports; by default it is deleted when the "
               "export ends (a copy already in the cache is reused either way; `specedge fetch --list` shows them).")

@@ -248,9 +248,11 @@ class _ModelExporter:
             mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
             self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size}, mix {mix})")
             chosen: dict = {}
+            eta = self._eta(f"{role}: quantizing", 1, "weights")
             files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
                                                                  accuracy_level=cfg.accuracy_level),
-                                   plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen)
+                                   plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen,
+                                   progress=eta.update)
             self.quantization[role] = _quant_record(mix, chosen)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         if layered is None:
@@ -354,9 +356,11 @@ class _ModelExporter:
             folder.mkdir()
             self.progress(f"tune: quantizing {role} at block {block}")
             chosen[block] = {}
+            eta = self._eta(f"tune: quantizing {role} at block {block}", 1, "weights")
             files[block] = quantize_graph(src_graph, folder / graph.name,
                                           QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
-                                          plan=self._plan(bits, spec.n_layers, block), chosen=chosen[block])
+                                          plan=self._plan(bits, spec.n_layers, block), chosen=chosen[block],
+                                          progress=eta.update)
             entry = self._entry(role, files[block], source, precision, "float32", spec=spec, head_file=head_file)
             candidates.append(Candidate(block, entry, files[block][0]))
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,

@@ -53,6 +53,11 @@ class Eta:
             self.start = self.clock()
         self._last = self.start
 
+    def update(self, done: int, total: int) -> None:
+        """:meth:`__call__` for a phase that learns its total as it starts (``progress(done, total)``)."""
+        self.total = total
+        self(done)
+
     def __call__(self, done: int) -> None:
         now = self.clock()
         if done >= self.total or now - self._last >= self.every_s:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import numpy as np
 
@@ -121,7 +121,8 @@ def _read(tensor, src_dir: Path, rows: slice | None = None) -> np.ndarray:
 
 def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
                        quantize_embeddings: bool, plan: "Plan | None" = None,
-                       chosen: "dict[str, tuple[TensorQuant, int]] | None" = None) -> list[Path]:
+                       chosen: "dict[str, tuple[TensorQuant, int]] | None" = None,
+                       progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
     """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
 
     MatMul nodes with a constant 2-D weight become MatMulNBits at ``bits``; with ``quantize_embeddings``
@@ -130,22 +131,60 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
 
     With ``plan`` (export/mixquant.py: weight name -> form), each MatMul weight and, with
     ``quantize_embeddings``, the embedding table take the plan's form instead (``bits``, ``block_size``
-    and ``symmetric`` are then unused). ``chosen`` (if given) receives weight name -> (form, element count).
+    and ``symmetric`` are then unused). ``chosen`` (if given) receives weight name -> (form, element count);
+    ``progress(done, total)`` (if given) is told after each weight quantized.
     """
+    chosen = {} if chosen is None else chosen
     if plan is not None:
-        return _quantize_planned(src, dst, plan=plan, accuracy_level=accuracy_level,
-                                 quantize_embeddings=quantize_embeddings, chosen={} if chosen is None else chosen)
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+        from .mixquant import quantize
+
+        def planned_matmul(name: str, b: np.ndarray):
+            form = plan(name)
+            blocks = quantize(np.ascontiguousarray(b.T), form)
+            return form, blocks.packed(), blocks.scales, None if form.symmetric else blocks.packed_zero_points()
+
+        def planned_gather(node, table, out: _DataFile, new_inits: dict):
+            return _planned_gather(node, table, plan(table.name), src.parent, out, new_inits)
+
+        return _rewrite(src, dst, matmul=planned_matmul, gather=planned_gather if quantize_embeddings else None,
+                        accuracy_level=accuracy_level, chosen=chosen, int4_tensors=False, progress=progress)
+
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
 
     gather = quantize_embeddings and bits == 4
-    ops = ("MatMul", "Gather") if gather else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
-                                          accuracy_level=accuracy_level, bits=bits, op_types_to_quantize=ops,
+                                          accuracy_level=accuracy_level, bits=bits,
+                                          op_types_to_quantize=("MatMul", "Gather") if gather else ("MatMul",),
                                           quant_axes=(("MatMul", 0), ("Gather", 1)))
     quantizer = DefaultWeightOnlyQuantizer(config)
+    form = _legacy_form(bits, block_size, symmetric)
+
+    def ort_matmul(_name: str, b: np.ndarray):
+        packed, scales, zero_points = quantizer.qbits_block_quant(b)
+        return form, packed, scales, None if symmetric else zero_points
+
+    def ort_gather(node, table, out: _DataFile, new_inits: dict):
+        return _quantize_gather(node, table, src.parent, out, new_inits, block_size, symmetric), form
+
+    # int4 tensors (the Gather's) need opset 21 and IR 10, as ORT's quantizer sets them
+    return _rewrite(src, dst, matmul=ort_matmul, gather=ort_gather if gather else None,
+                    accuracy_level=accuracy_level, chosen=chosen, int4_tensors=gather, progress=progress)
+
+
+def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chosen: dict,
+             int4_tensors: bool, progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
+    """The one graph rewrite both quantizers share, one weight at a time.
+
+    ``matmul(name, B [K, N] float32)`` -> (form, B packed [N, K/block, block*bits/8] uint8, scales [N, K/block],
+    zero points in MatMulNBits' uint8 layout or None): each MatMul over a constant 2-D weight becomes
+    MatMulNBits. ``gather(node, table, out, new_inits)`` -> (GatherBlockQuantized node, form), or None to
+    keep the embedding float. ``chosen`` receives weight name -> (form, element count); ``progress(done,
+    total)`` is told after each weight.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
     model = onnx.load(str(src), load_external_data=False)
     graph = model.graph
     src_dir = src.parent
@@ -154,38 +193,46 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     out = _DataFile(data_path)
     new_inits: dict[str, TensorProto] = {}
     new_nodes = []
+
+    def is_weighted_matmul(node) -> bool:
+        return node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2
+
+    total = sum(is_weighted_matmul(n) or (gather is not None and _is_embedding_lookup(n, inits)) for n in graph.node)
+    done = 0
     try:
         for node in graph.node:
-            if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+            if is_weighted_matmul(node):
                 weight = inits[node.input[1]]
                 b = _read(weight, src_dir)
                 rows, cols = b.shape
-                packed, scales, zero_points = quantizer.qbits_block_quant(b)
-                if chosen is not None:
-                    chosen[weight.name] = (_legacy_form(bits, block_size, symmetric), rows * cols)
+                form, packed, scales, zero_points = matmul(weight.name, b)
                 del b
-                q = out.tensor(f"{weight.name}_Q{bits}", TensorProto.UINT8, packed.shape, packed)
+                chosen[weight.name] = (form, rows * cols)
+                q = out.tensor(f"{weight.name}_Q{form.bits}", TensorProto.UINT8, packed.shape, packed)
                 s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, scales.shape, scales)
                 inputs = [node.input[0], q.name, s.name]
                 new_inits.update({q.name: q, s.name: s})
-                if not symmetric:
-                    zp = numpy_helper.from_array(zero_points, f"{weight.name}_zero_points")
-                    zp = out.tensor(zp.name, zp.data_type, zp.dims, zero_points)
+                if zero_points is not None:
+                    zp = out.tensor(f"{weight.name}_zero_points", TensorProto.UINT8, zero_points.shape, zero_points)
                     inputs.append(zp.name)
                     new_inits[zp.name] = zp
-                attrs = dict(K=rows, N=cols, bits=bits, block_size=block_size)
+                attrs = dict(K=rows, N=cols, bits=form.bits, block_size=form.block)
                 if accuracy_level:
                     attrs["accuracy_level"] = accuracy_level
                 new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
-                                                  name=f"{node.name}_Q{bits}" if node.name else "",
+                                                  name=f"{node.name}_Q{form.bits}" if node.name else "",
                                                   domain="com.microsoft", **attrs))
-            elif gather and _is_embedding_lookup(node, inits):
+            elif gather is not None and _is_embedding_lookup(node, inits):
                 table = inits[node.input[0]]
-                if chosen is not None:
-                    chosen[table.name] = (_legacy_form(bits, block_size, symmetric), int(np.prod(table.dims)))
-                new_nodes.append(_quantize_gather(node, table, src_dir, out, new_inits, block_size, symmetric))
+                node, form = gather(node, table, out, new_inits)
+                chosen[table.name] = (form, int(np.prod(table.dims)))
+                new_nodes.append(node)
             else:
                 new_nodes.append(node)
+                continue
+            done += 1
+            if progress is not None:
+                progress(done, total)
         used = {name for n in new_nodes for name in n.input}
         kept = [out.copy(t, src_dir) if t.name not in new_inits else t for t in graph.initializer if t.name in used]
         kept += [t for name, t in new_inits.items() if name in used]
@@ -197,7 +244,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     graph.initializer.extend(kept)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    if gather:  # int4 tensors need opset 21 and IR 10, as ORT's quantizer sets them
+    if int4_tensors:
         for opset in model.opset_import:
             if opset.domain in ("", "ai.onnx") and opset.version < 21:
                 opset.version = 21
@@ -258,77 +305,6 @@ def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict
     return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
                             name=f"{node.name}_Q4" if node.name else "", domain="com.microsoft",
                             gather_axis=axis, quantize_axis=1, block_size=block_size)
-
-
-def _quantize_planned(src: Path, dst: Path, *, plan: "Plan", accuracy_level: int, quantize_embeddings: bool,
-                      chosen: "dict[str, tuple[TensorQuant, int]]") -> list[Path]:
-    """:func:`quantize_streaming` with a per-weight form from ``plan`` (export/mixquant.py), one weight at a time.
-
-    MatMul B [K, N] becomes MatMulNBits with B [N, K/block, block*bits/8], scales [N, K/block] and, when
-    asymmetric, uint8 zero points [N, ceil(K/block*bits/8)]; the embedding table [vocab, hidden] becomes
-    GatherBlockQuantized over uint8 data with ``bits`` (quantized along hidden, in row chunks).
-    """
-    import onnx
-    from onnx import TensorProto, helper
-
-    from .mixquant import quantize
-
-    model = onnx.load(str(src), load_external_data=False)
-    graph = model.graph
-    src_dir = src.parent
-    inits = {t.name: t for t in graph.initializer}
-    data_path = dst.with_name(dst.name + ".data")
-    out = _DataFile(data_path)
-    new_inits: dict[str, TensorProto] = {}
-    new_nodes = []
-    try:
-        for node in graph.node:
-            if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
-                weight = inits[node.input[1]]
-                form = plan(weight.name)
-                b = _read(weight, src_dir)
-                rows, cols = b.shape
-                chosen[weight.name] = (form, rows * cols)
-                blocks = quantize(np.ascontiguousarray(b.T), form)
-                del b
-                packed = blocks.packed()
-                q = out.tensor(f"{weight.name}_Q{form.bits}", TensorProto.UINT8, packed.shape, packed)
-                s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, blocks.scales.shape, blocks.scales)
-                inputs = [node.input[0], q.name, s.name]
-                new_inits.update({q.name: q, s.name: s})
-                if not form.symmetric:
-                    zps = blocks.packed_zero_points()
-                    zp = out.tensor(f"{weight.name}_zero_points", TensorProto.UINT8, zps.shape, zps)
-                    inputs.append(zp.name)
-                    new_inits[zp.name] = zp
-                attrs = dict(K=rows, N=cols, bits=form.bits, block_size=form.block)
-                if accuracy_level:
-                    attrs["accuracy_level"] = accuracy_level
-                new_nodes.append(helper.make_node("MatMulNBits", inputs, [node.output[0]],
-                                                  name=f"{node.name}_Q{form.bits}" if node.name else "",
-                                                  domain="com.microsoft", **attrs))
-            elif quantize_embeddings and _is_embedding_lookup(node, inits):
-                table = inits[node.input[0]]
-                node, form = _planned_gather(node, table, plan(table.name), src_dir, out, new_inits)
-                chosen[table.name] = (form, int(np.prod(table.dims)))
-                new_nodes.append(node)
-            else:
-                new_nodes.append(node)
-        used = {name for n in new_nodes for name in n.input}
-        kept = [out.copy(t, src_dir) if t.name not in new_inits else t for t in graph.initializer if t.name in used]
-        kept += [t for name, t in new_inits.items() if name in used]
-    finally:
-        out.close()
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save_model(model, str(dst))
-    if data_path.stat().st_size == 0:
-        os.unlink(data_path)
-    return [dst] + ([data_path] if data_path.exists() else [])
 
 
 def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataFile, new_inits: dict):

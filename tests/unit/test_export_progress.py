@@ -37,3 +37,15 @@ def test_eta_prints_at_most_every_so_often_and_always_the_end():
                      "      target: writing the fp32 graph: 4/8 layers, 22 s, about 22 s left",
                      "      target: writing the fp32 graph: 8/8 layers, 25 s, done"]
     assert not any(_NOTE.match(line) or _STAGE.match(line) for line in lines)
+
+
+def test_a_phase_that_learns_its_total_as_it_runs_reports_against_it():
+    """The quantizer counts its weights once it has read the graph: ``update(done, total)``."""
+    now = [0.0]
+    lines: list[str] = []
+    eta = Eta("target: quantizing", 1, "weights", lines.append, every_s=10.0, clock=lambda: now[0])
+    for done, t in ((1, 4.0), (5, 12.0), (10, 20.0)):
+        now[0] = t
+        eta.update(done, 10)
+    assert lines == ["      target: quantizing: 5/10 weights, 12 s, about 12 s left",
+                     "      target: quantizing: 10/10 weights, 20 s, done"]

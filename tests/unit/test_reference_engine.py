@@ -126,7 +126,8 @@ def test_a_cancelled_exact_step_leaves_the_cache_length_where_it_was(engine):
 
     class CancelledOnce:
         def __init__(self, inner):
-            self.inner, self.vocab_size, self.max_context, self.armed = inner, inner.vocab_size, inner.max_context, False
+            self.inner, self.armed = inner, False
+            self.vocab_size, self.max_context = inner.vocab_size, inner.max_context
 
         def new_cache(self):
             return self.inner.new_cache()
