@@ -3,7 +3,8 @@
 
     python docs/results/2026-12-06-session-rss.py BUNDLE
 """
-import sys, gc, re
+import re
+import sys
 from pathlib import Path
 import numpy as np
 from specedge.bundle.manifest import load_manifest
