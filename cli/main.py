@@ -193,9 +193,9 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
 @click.option("--tune", is_flag=True, help="Measure this machine: for an int4/int8 target (and draft) without "
               "--block-size, quantize at block 32, 64 and 128 and keep the one whose 1-row step is fastest and that "
               "agrees with fp32 as often as block 32 (a few minutes more); then time draft/target steps and "
-              "v(k) and record the cost profile, so the "
-              "adaptive controller starts informed. Both records name this machine (`specedge info`). Its fp32 greedy "
-              "reference runs the whole fp32 graph (4 bytes a parameter in memory), whatever --validation says.")
+              "v(k) and record the cost profile, so the adaptive controller starts informed. Both records name "
+              "this machine (`specedge info`). Its fp32 greedy reference runs the whole fp32 graph (4 bytes a "
+              "parameter in memory), whatever --validation says.")
 @click.option("--exact", is_flag=True, help="For bundles run in exact mode (`--exact` at generation): --tune times "
               "exact 2-row plain steps and keeps only a layout whose plain steps equal verify rows bit for bit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
