@@ -79,7 +79,8 @@ def load_saved(slots: SlotPool, path: str | Path, key: dict, target: BatchInvari
     The file is read and checked against ``key`` and the slot's caches before anything is written into
     the slot (PromptCacheError names what differs). The slot is taken first, so a bad file still costs
     the least recently used slot its cached prefix when no slot was free (a cache: no reply changes).
-    With ``exact``, ``target`` adopts the loaded positions as its own (engines/invariant.py). Returns what was loaded (``tokens``, ``draft_tokens``).
+    With ``exact``, ``target`` adopts the loaded positions as its own (engines/invariant.py). Returns
+    what was loaded (``tokens``, ``draft_tokens``).
     """
     slot, _ = slots.acquire([-1], exact, reuse=False)  # matches nothing: a free or evicted slot
     loaded = prompt_cache.load(path, key, slot.target_kv, slot.draft_kv, vocab_size)
