@@ -46,6 +46,12 @@ class _DataFile:
         self.file: BinaryIO = open(path, "wb")
         self.offset = 0
 
+    def align(self) -> None:
+        """Pad the file to the next ``_ALIGN`` boundary (where the next tensor's data starts)."""
+        pad = (-self.offset) % _ALIGN
+        self.file.write(b"\0" * pad)
+        self.offset += pad
+
     def tensor(self, name: str, data_type: int, dims, raw: bytes | memoryview | np.ndarray):
         from onnx import TensorProto
 
@@ -54,9 +60,7 @@ class _DataFile:
         if len(raw) <= _EXTERNAL_THRESHOLD:
             tensor.raw_data = bytes(raw)
             return tensor
-        pad = (-self.offset) % _ALIGN
-        self.file.write(b"\0" * pad)
-        self.offset += pad
+        self.align()
         self.file.write(raw)
         _point(tensor, self.path.name, self.offset, len(raw))
         self.offset += len(raw)
@@ -73,9 +77,7 @@ class _DataFile:
         out = TensorProto()
         out.CopyFrom(tensor)
         del out.external_data[:]
-        pad = (-self.offset) % _ALIGN
-        self.file.write(b"\0" * pad)
-        self.offset += pad
+        self.align()
         with open(src_dir / info["location"], "rb") as f:
             f.seek(start)
             left = length
@@ -278,9 +280,7 @@ def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict
     qname, sname = f"{table.name}_Q4", f"{table.name}_scales"
     # Quantized rows go to the data file as they are made; the scales (1/block of the table) are
     # collected and written after.
-    pad = (-out.offset) % _ALIGN
-    out.file.write(b"\0" * pad)
-    out.offset += pad
+    out.align()
     q_start, scales, zero_points = out.offset, [], []
     for start in range(0, dims[0], _GATHER_ROWS):
         chunk = _read(table, src_dir, slice(start, start + _GATHER_ROWS))
@@ -323,9 +323,7 @@ def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataF
         raise ValueError(f"{table.name}: a planned embedding needs a 2-D table whose width is a multiple of "
                          f"{form.block}; got {dims}")
     qname, sname = f"{table.name}_Q{form.bits}", f"{table.name}_scales"
-    pad = (-out.offset) % _ALIGN
-    out.file.write(b"\0" * pad)
-    out.offset += pad
+    out.align()
     q_start, scales, zero_points = out.offset, [], []
     for start in range(0, dims[0], _GATHER_ROWS):
         blocks = quantize(_read(table, src_dir, slice(start, start + _GATHER_ROWS)), form)
