@@ -1,9 +1,9 @@
 """Progress with an estimate of the time left, for the export's long phases (issue #38 item 4).
 
-``Eta(what, total, unit, emit)`` is told how many of ``total`` units are done (today: the layers of a
-graph being written) and emits ``"      writing the fp32 graph: 8/16 layers, 21 s, about 21 s left"`` at most
-every ``every_s`` seconds and once at the end. The estimate is the rate so far: layers of one
-model cost alike, so the rest takes about (total - done) x (elapsed / done). Its lines carry no
+``Eta(what, total, unit, emit)`` is told how many of ``total`` units are done (layers of a graph
+written, weights quantized) and emits ``"      writing the fp32 graph: 8/16 layers, 21 s, about 21 s
+left"`` at most every ``every_s`` seconds and once at the end. The estimate is the rate so far: the
+layers of one model cost alike, so the rest takes about (total - done) x (elapsed / done). Its lines carry no
 ``(t=..s)`` stamp, so ``specedge export-measure`` (export/measure.py) does not take them for phases.
 Standard library only.
 """
