@@ -12,7 +12,8 @@ the wrapper cancels, then calls the real run), so the stop is deterministic: no 
 - Generator: a stream cancelled while its prefill runs (target, then draft catch-up) ends "cancelled",
   its slot keeps the earlier turn's committed tokens only, and the next request reuses just those and
   replies as a cold request does.
-- Server: streamed requests cut off mid-prefill by client disconnects lose and corrupt no reply.
+- Server: a client that leaves while its streamed request's prefill runs (the run is held until the server
+  has cancelled the job) stops that forward; no later reply is lost, and each equals a cold request's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -130,9 +130,12 @@ def test_a_cancel_midway_keeps_only_committed_tokens_and_the_next_reply_is_a_col
         assert final.token_ids == cold.token_ids
 
 
-def _completions(port: int, prompt: list[int], exact: bool, *, stream: bool) -> bytes | dict:
-    """POST /v1/completions with token ids. Streamed: close the connection once the response starts
-    (the client leaves while its request runs) and return the head; else the JSON reply."""
+def _completions(port: int, prompt: list[int], exact: bool, *,
+                 leave_when: threading.Event | None = None) -> bytes | dict:
+    """POST /v1/completions with token ids. With ``leave_when``: streamed, and the client closes the
+    connection once the response has started and ``leave_when`` is set (it leaves while its request
+    runs); returns the head. Else the JSON reply."""
+    stream = leave_when is not None
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream,
                        "specedge": {"exact": exact}}).encode()
     if not stream:
@@ -148,13 +151,20 @@ def _completions(port: int, prompt: list[int], exact: bool, *, stream: bool) -> 
             if not data:
                 break
             head += data
+        assert leave_when.wait(timeout=30), "the request's forward never started"  # a failure guard only
     return head
 
 
 def test_the_server_loses_no_reply_when_clients_leave_mid_prefill(llama_bundle, monkeypatch):
-    """Streamed requests whose clients leave while their forwards run (each run is slowed, so the
-    disconnect lands inside one and stops it) never cost a later request its reply: every completed
-    request answers its cold reply, and no job fails."""
+    """Streamed requests whose clients leave while their prefill runs never cost a later request its
+    reply: each disconnect stops the forward in progress (ORT's terminate), every later request
+    answers its cold reply, and no job fails.
+
+    No timing is involved: each cut request's prefill is held inside its session run until the server
+    has cancelled the job (its client left only once that run had begun), so the stop is registered
+    before the real run starts, on any machine. A cancelled generation starts no other run, so the
+    first ``len(prompts)`` session runs are the cut requests' prefills, in order.
+    """
     pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
     from specedge.bench.preemptive import LocalServer
@@ -162,36 +172,47 @@ def test_the_server_loses_no_reply_when_clients_leave_mid_prefill(llama_bundle, 
 
     gen = Generator.from_bundle(llama_bundle, threads=1, cache_slots=2)
     exact = exact_holds(gen)
-    slow = threading.Event()  # set while the cut requests run: each session run waits 0.2 s first
-    session = gen.target.inner.session
-    real = session.run_with_iobinding
-
-    def slowed(*args):
-        if slow.is_set():
-            time.sleep(0.2)  # the stop is already registered: a disconnect now stops this run
-        return real(*args)
-
-    monkeypatch.setattr(session, "run_with_iobinding", slowed)
-    server = LocalServer(gen)
     prompts = [SYSTEM + TURN_1 + TURN_2[:n] for n in (4, 12, 20, 30)]
+    running = [threading.Event() for _ in prompts]  # cut request i's prefill is inside its session run
+    cancelled = [threading.Event() for _ in prompts]  # the server has cancelled cut request i's job
+    cuts = iter(range(len(prompts)))
+
+    def hold() -> None:
+        """Inside cut request i's prefill run: let its client leave, wait for the server's cancel."""
+        i = next(cuts)
+        running[i].set()
+        cancelled[i].wait(timeout=30)  # a failure guard: unset, the run completes and the asserts below fail
+
+    raised = _cancel_inside(monkeypatch, gen.target.inner, hold, when=lambda n: n <= len(prompts))
+    server = LocalServer(gen)
+    real_cancel = server.worker.cancel
+
+    def cancel(job) -> None:
+        """The handler's cancel when its client left: once it returns, the job's Interrupt has set the
+        held run's terminate flag. (A reply's handler cancels its finished job too: a no-op.)"""
+        real_cancel(job)
+        cancelled[prompts.index(job.prompt_ids)].set()
+
+    monkeypatch.setattr(server.worker, "cancel", cancel)
     try:
-        slow.set()
-        for prompt in prompts:
-            assert _completions(server.port, prompt, exact, stream=True).startswith(b"HTTP/1.1 200")
-        slow.clear()
-        replies = [_completions(server.port, prompt, exact, stream=False) for prompt in prompts]
-        deadline = time.monotonic() + 30  # the worker counts a job just after its client has the reply
-        while (status := server.worker.status())["busy"] or sum(status[k] for k in ("completed", "cancelled",
-                                                                                     "failed")) < 2 * len(prompts):
-            assert time.monotonic() < deadline, f"the worker never finished: {status}"
-            time.sleep(0.01)
+        for prompt, started in zip(prompts, running):
+            assert _completions(server.port, prompt, exact, leave_when=started).startswith(b"HTTP/1.1 200")
+        replies = [_completions(server.port, prompt, exact) for prompt in prompts]
     finally:
-        server.close()
-    assert status["failed"] == 0 and status["completed"] == len(prompts)
-    assert status["cancelled"] + status["completed"] == 2 * len(prompts)
+        server.close()  # joins the worker (the lifespan's stop): every job below is counted
+    assert not server.thread.is_alive(), "the server did not stop"
+    assert len(raised) == len(prompts) and all("terminate flag" in str(exc) for exc in raised)  # ORT stopped each
+    jobs = list(server.worker.finished)
+    assert [job.prompt_ids for job in jobs] == prompts + prompts
+    assert [job.outcome for job in jobs] == ["cancelled"] * len(prompts) + ["completed"] * len(prompts)
+    for job in jobs[:len(prompts)]:  # cut inside the prefill: no token committed
+        assert job.result.finish_reason == "cancelled" and job.result.token_ids == []
+    status = server.worker.status()
+    assert (status["completed"], status["cancelled"], status["failed"]) == (len(prompts), len(prompts), 0)
     cold = Generator.from_bundle(llama_bundle, threads=1)
     for prompt, reply in zip(prompts, replies):
         want = cold.generate(input_ids=prompt, max_new_tokens=12, reuse_prefix=False, exact=exact)
-        assert reply["choices"][0]["finish_reason"] in ("stop", "length") and reply["usage"]["completion_tokens"] > 0
+        choice, tokens = reply["choices"][0], reply["usage"]["completion_tokens"]
+        assert choice["finish_reason"] in ("stop", "length") and tokens > 0
         if exact:  # fast mode may differ from a cold start at a near tie (tests/exactness.py); exact may not
-            assert reply["choices"][0]["text"] == want.text
+            assert (choice["text"], tokens) == (want.text, len(want.token_ids))
