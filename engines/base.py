@@ -123,6 +123,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
+    def committed(self, array: np.ndarray, n: int | None = None) -> np.ndarray:
+        """A view of the first ``n`` (default ``length``) positions of one of this cache's buffers."""
+        n = self.length if n is None else n
+        return array[:n] if self.layout == "position-major" else array[:, :, :n]
+
 
 class Interrupt:
     """One generation's cancel, reaching into the forward in progress.

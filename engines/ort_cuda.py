@@ -109,11 +109,10 @@ class DeviceKVCache(BlockAddresses, KVCache):
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of one layer's committed K and V (copies the whole block; tests only)."""
         raw = self.buffer.host_bytes()
-        committed = np.s_[:self.length] if self.layout == "position-major" else np.s_[:, :, :self.length]
         out = []
         for offset in (self.block.key_offset(layer), self.block.value_offset(layer)):
             size = self.capacity * self.row_bytes
-            out.append(raw[offset:offset + size].view(self.dtype).reshape(self.shape)[committed].copy())
+            out.append(self.committed(raw[offset:offset + size].view(self.dtype).reshape(self.shape)).copy())
         return out[0], out[1]
 
     @property

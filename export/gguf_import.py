@@ -122,7 +122,7 @@ class BlockForm:
         off = None if self.offsets is None else np.repeat(self.offsets, split, axis=1)
         return BlockForm(q.reshape(n, -1, block), np.repeat(self.scales, split, axis=1), off, bits, block)
 
-    def rows(self, index: np.ndarray) -> "BlockForm":
+    def rows(self, index: np.ndarray | slice) -> "BlockForm":
         off = None if self.offsets is None else self.offsets[index]
         zps = None if self.zero_points is None else self.zero_points[index]
         return BlockForm(self.q[index], self.scales[index], off, self.bits, self.block, zps)
@@ -227,7 +227,7 @@ def _llama_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 class GgufTensors:
-    """The tensors of one GGUF file, by name (memory-mapped by the ``gguf`` package's reader)."""
+    """The tensors of one GGUF file, by name (the ``gguf`` package reads the header; each tensor is read on demand)."""
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -244,7 +244,10 @@ class GgufTensors:
     def form(self, name: str) -> BlockForm | None:
         t = self.tensors[name]
         rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-        return _decode(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1).view(np.uint8))
+        # Read, not the reader's memory map: mapped pages once touched stay in the process's RSS while
+        # the map lives, so the whole file would end up counted in the export's peak.
+        raw = np.fromfile(self.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+        return _decode(t.tensor_type.name, raw.reshape(rows, -1))
 
 
 def source_names(arch: str, n_layers: int) -> dict[str, list[list[str]]]:
@@ -276,12 +279,25 @@ def source_names(arch: str, n_layers: int) -> dict[str, list[list[str]]]:
     return {k: [c for c in cands if None not in c] for k, cands in out.items()}
 
 
+# Output rows dequantized at once when a form is checked: the temporaries of a whole embedding
+# (151,936 x 1,536 in Qwen2.5) are several fp32 copies of it, about 4 GB; 4096 rows of an 8B model's
+# 14,336-wide down projection are 0.23 GB each.
+_CHECK_ROWS = 4096
+
+
 def _reproduces(form: BlockForm, reference: np.ndarray) -> bool:
     """``form`` dequantizes to ``reference`` ([N, K]): bit for bit without an offset, else to fp32 rounding
-    (one rounding of ``m + zp*d`` and one of the sum: 2 ulp of the block's largest term)."""
-    deq = form.dequantize()
-    if deq.shape != reference.shape:
+    (one rounding of ``m + zp*d`` and one of the sum: 2 ulp of the block's largest term). Checked
+    ``_CHECK_ROWS`` output rows at a time."""
+    n = form.q.shape[0]
+    if reference.shape != (n, form.q.shape[1] * form.block):
         return False
+    return all(_rows_reproduce(form.rows(slice(start, start + _CHECK_ROWS)), reference[start:start + _CHECK_ROWS])
+               for start in range(0, n, _CHECK_ROWS))
+
+
+def _rows_reproduce(form: BlockForm, reference: np.ndarray) -> bool:
+    deq = form.dequantize()
     if form.offsets is None:
         return bool(np.array_equal(deq, reference))
     zp = float(1 << (form.bits - 1))
@@ -356,8 +372,9 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     written and, per graph weight (MatMul B or the embedding), what was kept.
     """
     import onnx
-    from onnx import helper, numpy_helper
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from onnx import helper
+
+    from .rtn import _DataFile
 
     tensors = GgufTensors(gguf_path)
     candidates = source_names(tensors.arch, n_layers)
@@ -368,6 +385,10 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     inits = {t.name: t for t in graph.initializer}
     record: dict[str, KeptTensor] = {}
     new_nodes, new_inits, dropped = [], [], set()
+    # Each initializer goes to the data file as it is made (as export/rtn.py writes quantized weights):
+    # memory holds one weight's forms at a time, not the whole quantized model in ONNX protos.
+    data_path = dst.with_name(dst.name + ".data")
+    out = _DataFile(data_path)
 
     def reference(key: str) -> np.ndarray:
         if key == "embed":
@@ -406,7 +427,8 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
                 and tuple(names) == record["embed"].sources)
 
     def const(name: str, array: np.ndarray) -> str:
-        new_inits.append(numpy_helper.from_array(array, name))
+        array = np.ascontiguousarray(array)
+        new_inits.append(out.tensor(name, helper.np_dtype_to_tensor_dtype(array.dtype), array.shape, array))
         return name
 
     def blocksum(x: str, block: int, n_blocks: int) -> str:
@@ -488,52 +510,52 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     sums: dict[tuple[str, int], str] = {}
     embed_inits: tuple[str, str | None] | None = None
     id_rank = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input}
-    for node in graph.node:
-        key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
-        if key is None or key not in inits or (key != "embed" and key not in candidates):
-            new_nodes.append(node)
-            continue
-        parts, kept = choose(key)
-        parts_of[key] = parts
-        if parts is None:
-            record[key] = kept
-            new_nodes.append(node)
-            continue
-        dropped.add(key)
-        if node.op_type == "Gather":
-            record[key] = kept
-            lm = candidates.get("lm_head", [])
-            tied = next((names for names in lm if all(n in tensors.tensors for n in names)), None)
-            share = (tied is not None and tuple(tied) == kept.sources and "lm_head" not in weights
-                     and head_ids is None and node.input[1] in id_rank)
-            embed_inits = gather(node, parts[0].form, share)
-            if share:
-                note("the tied output layer reads the embedding's blocks (one copy)")
-            else:
-                embed_inits = None
-            continue
-        if key == "lm_head" and parts is parts_of.get("embed") and embed_inits is not None:
-            record[key] = kept
-            matmul(key, node.input[0], node.output[0], parts[0].form, *embed_inits)
-            continue
-        if len(parts) == 1:
-            record[key] = kept
-            matmul(key, node.input[0], node.output[0], parts[0].form, None, None)
-            continue
-        for i, part in enumerate(parts):
-            form = part.form
-            record[f"{key}[{part.start}:{part.stop}]"] = KeptTensor(part.sources, part.kinds, f"int{form.bits}",
-                                                                    form.block, form.offsets is not None, "")
-            matmul(f"{key}.part{i}", node.input[0], f"{key}.gguf_part{i}", form, None, None)
-        new_nodes.append(helper.make_node("Concat", [f"{key}.gguf_part{i}" for i in range(len(parts))],
-                                          [node.output[0]], name=f"{key}.gguf_concat", axis=-1))
-    read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
-    kept_inits = [t for t in graph.initializer if t.name not in dropped or t.name in read]
-    for tensor in kept_inits:
-        if uses_external_data(tensor):  # saved again below, into dst's own data file
-            load_external_data_for_tensor(tensor, str(src.parent))
-            tensor.data_location = onnx.TensorProto.DEFAULT
-            del tensor.external_data[:]
+    try:
+        for node in graph.node:
+            key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
+            if key is None or key not in inits or (key != "embed" and key not in candidates):
+                new_nodes.append(node)
+                continue
+            parts, kept = choose(key)
+            if key == "embed":  # a tied head may read its blocks; no other weight's forms are kept
+                parts_of[key] = parts
+            if parts is None:
+                record[key] = kept
+                new_nodes.append(node)
+                continue
+            dropped.add(key)
+            if node.op_type == "Gather":
+                record[key] = kept
+                lm = candidates.get("lm_head", [])
+                tied = next((names for names in lm if all(n in tensors.tensors for n in names)), None)
+                share = (tied is not None and tuple(tied) == kept.sources and "lm_head" not in weights
+                         and head_ids is None and node.input[1] in id_rank)
+                embed_inits = gather(node, parts[0].form, share)
+                if share:
+                    note("the tied output layer reads the embedding's blocks (one copy)")
+                else:
+                    embed_inits = None
+                continue
+            if key == "lm_head" and parts is parts_of.get("embed") and embed_inits is not None:
+                record[key] = kept
+                matmul(key, node.input[0], node.output[0], parts[0].form, *embed_inits)
+                continue
+            if len(parts) == 1:
+                record[key] = kept
+                matmul(key, node.input[0], node.output[0], parts[0].form, None, None)
+                continue
+            for i, part in enumerate(parts):
+                form = part.form
+                record[f"{key}[{part.start}:{part.stop}]"] = KeptTensor(part.sources, part.kinds, f"int{form.bits}",
+                                                                        form.block, form.offsets is not None, "")
+                matmul(f"{key}.part{i}", node.input[0], f"{key}.gguf_part{i}", form, None, None)
+            new_nodes.append(helper.make_node("Concat", [f"{key}.gguf_part{i}" for i in range(len(parts))],
+                                              [node.output[0]], name=f"{key}.gguf_concat", axis=-1))
+        read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
+        # the weights kept float are copied into dst's data file in chunks, never read whole
+        kept_inits = [out.copy(t, src.parent) for t in graph.initializer if t.name not in dropped or t.name in read]
+    finally:
+        out.close()
     del graph.node[:]
     graph.node.extend(new_nodes)
     del graph.initializer[:]
@@ -544,7 +566,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     for kept in record.values():
         counts[kept.kept] = counts.get(kept.kept, 0) + 1
     note("kept the GGUF's quantization: " + ", ".join(f"{n} weights {k}" for k, n in sorted(counts.items())))
-    data_path = dst.with_name(dst.name + ".data")
-    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_path.name, size_threshold=1024)
+    onnx.save_model(model, str(dst))
+    if data_path.stat().st_size == 0:
+        data_path.unlink()
     return [dst] + ([data_path] if data_path.exists() else []), record

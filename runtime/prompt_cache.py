@@ -91,10 +91,6 @@ def _host(kv: KVCache, what: str) -> None:
                                "host caches (provider cpu)")
 
 
-def _committed(kv: KVCache, array: np.ndarray, n: int) -> np.ndarray:
-    return array[:n] if kv.layout == "position-major" else array[:, :, :n]
-
-
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
@@ -167,8 +163,8 @@ def save(path: str | os.PathLike[str], key: dict, tokens: Sequence[int], target_
             continue
         _host(kv, role)
         for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            arrays[f"{role}.k.{i}"] = np.ascontiguousarray(_committed(kv, k, count))  # C order, as load expects
-            arrays[f"{role}.v.{i}"] = np.ascontiguousarray(_committed(kv, v, count))
+            arrays[f"{role}.k.{i}"] = np.ascontiguousarray(kv.committed(k, count))  # C order, as load expects
+            arrays[f"{role}.v.{i}"] = np.ascontiguousarray(kv.committed(v, count))
     for name, array in arrays.items():  # a file load() would refuse is not written
         _finite(name, array, f"prompt cache {path} not saved")
     header = {"format": FORMAT, "version": VERSION, "key": key, "layout": target_kv.layout,
@@ -200,8 +196,8 @@ class Loaded:
         _host(kv, role)
         n = len(self.tokens if role == "target" else self.draft_tokens)
         for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            _committed(kv, k, n)[...] = self.arrays[f"{role}.k.{i}"]
-            _committed(kv, v, n)[...] = self.arrays[f"{role}.v.{i}"]
+            kv.committed(k, n)[...] = self.arrays[f"{role}.k.{i}"]
+            kv.committed(v, n)[...] = self.arrays[f"{role}.v.{i}"]
         kv.length = n
 
 
@@ -274,7 +270,7 @@ def load(path: str | os.PathLike[str], key: dict, target_kv: KVCache, draft_kv: 
                     raise PromptCacheError(f"{where} holds a draft cache; this Generator has no draft model")
                 for i, k in enumerate(kv.keys):
                     for part in "kv":
-                        expected[f"{role}.{part}.{i}"] = (k.dtype, _committed(kv, k, n).shape)
+                        expected[f"{role}.{part}.{i}"] = (k.dtype, kv.committed(k, n).shape)
             for name in sorted(expected):
                 if f"{name}.npy" not in infos:
                     raise PromptCacheError(f"{where} lacks {name}: truncated or not ours")

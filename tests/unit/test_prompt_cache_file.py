@@ -97,7 +97,7 @@ def test_save_then_load_is_bit_exact(tmp_path, layout):
     for kv, got, n in ((target, into, len(TOKENS)), (draft, into_draft, len(DRAFT_TOKENS))):
         assert got.length == n
         for want, have in zip((*kv.keys, *kv.values), (*got.keys, *got.values)):
-            np.testing.assert_array_equal(prompt_cache._committed(kv, have, n), prompt_cache._committed(kv, want, n))
+            np.testing.assert_array_equal(kv.committed(have, n), kv.committed(want, n))
     assert sorted(_members(path)) == sorted(["header", "sha256", "target.k.0", "target.v.0", "target.k.1",
                                              "target.v.1", "draft.k.0", "draft.v.0"])
 
