@@ -74,15 +74,13 @@ def _converted_cache_dir(gguf: Path) -> Path:
 
 
 def load_gguf(path: Path, *, quiet: bool = False, into: Path | None = None) -> tuple[Path, str]:
-    """Dequantize a GGUF file to an HF safetensors folder (40-130 s on 2 cores for 1.5B parameters).
+    """Dequantize a GGUF file to an HF safetensors folder, one tensor at a time (export/gguf_convert.py;
+    about a minute on 2 cores for 0.5B parameters).
 
     ``into`` None: into the cache, kept and reused by later runs. A folder: into that folder, which the
     caller deletes when done (a float32 copy is 4 bytes a parameter: 7 GB for 1.5B). Either way, a
     copy the cache already holds is reused.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = _converted_cache_dir(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out, f"gguf:{path.name}"
@@ -93,29 +91,49 @@ def load_gguf(path: Path, *, quiet: bool = False, into: Path | None = None) -> t
              "--keep-converted keeps it in the cache)", quiet)
         out = into
     t = time.perf_counter()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                     trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
-    except Exception as exc:  # a corrupt body past a sound header: gguf's reader raises struct.error, ValueError...
-        lines = str(exc).strip().splitlines() or [""]
-        raise ExportError(f"cannot read GGUF file {path}: {type(exc).__name__}: {lines[0][:300]}") from None
-    # save_pretrained refuses a GGUF-loaded model while it still carries the quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        try:
+            _convert(path, tmp, quiet)
+        except Exception as exc:  # a corrupt body past a sound header: gguf's reader raises struct.error, ValueError...
+            lines = str(exc).strip().splitlines() or [""]
+            raise ExportError(f"cannot read GGUF file {path}: {type(exc).__name__}: {lines[0][:300]}") from None
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _log(f"converted in {time.perf_counter() - t:.0f} s -> {out}", quiet)
     return out, f"gguf:{path.name}"
+
+
+def _convert(path: Path, folder: Path, quiet: bool) -> None:
+    """``path`` into the empty ``folder`` one tensor at a time (export/gguf_convert.py), or, for a family
+    whose tensors transformers merges across the file, through transformers' whole-model loader."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_convert import NotStreamable, convert_gguf
+    from .progress import Eta
+
+    eta = Eta(f"dequantizing {path.name}", 1, "tensors", lambda line: None if quiet else _log(line.strip(), quiet))
+    try:
+        convert_gguf(path, folder, progress=eta.update)
+        return
+    except NotStreamable as exc:
+        _log(f"{exc}: converting the whole model at once", quiet)
+        for item in folder.iterdir():
+            item.unlink()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
+    # save_pretrained refuses a GGUF-loaded model while it still carries the quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -176,7 +176,7 @@ def test_custom_code_only_model_type_is_an_export_error(variant, tmp_path):
 
 
 def test_gguf_loading_passes_trust_remote_code_false(tmp_path, monkeypatch):
-    """No GGUF file is converted here: both from_pretrained calls are recorded, then stopped."""
+    """No GGUF file is converted here: the config, model and tokenizer calls are recorded, then stopped."""
     import types
 
     import transformers
@@ -191,20 +191,26 @@ def test_gguf_loading_passes_trust_remote_code_false(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF" + b"\x00" * 64)
     seen: dict[str, dict] = {}
 
+    def fake_config(klass, *args, **kwargs):
+        seen["config"] = kwargs
+        return types.SimpleNamespace()
+
     def fake_model(klass, *args, **kwargs):
         seen["model"] = kwargs
-        return types.SimpleNamespace(config=types.SimpleNamespace())
+        return types.SimpleNamespace()
 
     def fake_tokenizer(klass, *args, **kwargs):
         seen["tokenizer"] = kwargs
         raise Stop
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(fake_model))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(fake_config))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", classmethod(fake_model))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(fake_tokenizer))
     with pytest.raises(ExportError, match=r"cannot read GGUF file .*model\.gguf: Stop"):  # what transformers
         load_gguf(gguf, quiet=True)  # raises on a GGUF it cannot read surfaces as an ExportError naming the file
-    for role in ("model", "tokenizer"):
+    for role in ("config", "model", "tokenizer"):
         assert seen[role].get("trust_remote_code") is False, (role, seen[role])
+    for role in ("config", "tokenizer"):
         assert seen[role].get("gguf_file") == "model.gguf"
 
 
