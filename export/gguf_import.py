@@ -219,6 +219,27 @@ def _decode(kind: str, raw: np.ndarray) -> BlockForm | None:
     return None
 
 
+# Rows decoded at once: the decoders' temporaries (nibbles, high bits, the stacked q) are several copies
+# of their input, about 1 GB for a whole 151,936-row embedding; 8192 rows of one are 60 MB.
+_DECODE_ROWS = 8192
+
+
+def _decode_rows(kind: str, raw: np.ndarray) -> BlockForm | None:
+    """:func:`_decode` of ``raw`` ([N, bytes per row] uint8), ``_DECODE_ROWS`` rows at a time into one form."""
+    n = raw.shape[0]
+    first = _decode(kind, raw[:_DECODE_ROWS])
+    if first is None or n <= _DECODE_ROWS:
+        return first
+    parts = [first.q, first.scales, first.offsets, first.zero_points]
+    whole = [None if a is None else np.empty((n, *a.shape[1:]), a.dtype) for a in parts]
+    for start in range(0, n, _DECODE_ROWS):
+        form = first if start == 0 else _decode(kind, raw[start:start + _DECODE_ROWS])
+        for out, a in zip(whole, (form.q, form.scales, form.offsets, form.zero_points)):
+            if out is not None:
+                out[start:start + _DECODE_ROWS] = a
+    return BlockForm(whole[0], whole[1], whole[2], first.bits, first.block, whole[3])
+
+
 def _llama_rows(n_rows: int, n_heads: int) -> np.ndarray:
     """Row order transformers' GGUF loader gives llama's q/k weights: llama.cpp stores each head's
     rotary pairs interleaved; the loader moves them back to halves (rows of head h: pairs, then halves)."""
@@ -247,7 +268,7 @@ class GgufTensors:
         # Read, not the reader's memory map: mapped pages once touched stay in the process's RSS while
         # the map lives, so the whole file would end up counted in the export's peak.
         raw = np.fromfile(self.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
-        return _decode(t.tensor_type.name, raw.reshape(rows, -1))
+        return _decode_rows(t.tensor_type.name, raw.reshape(rows, -1))
 
 
 def source_names(arch: str, n_layers: int) -> dict[str, list[list[str]]]:

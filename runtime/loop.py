@@ -43,6 +43,25 @@ from .stats import GenerationStats
 from .verify import NEAR_TIE_GAP, Proposal, verify
 
 
+# Prompt tokens per prefill forward. Each chunk's K/V is committed (``kv.length`` advances) before the
+# next runs, so a cancel inside a long prefill keeps the chunks already done: a voice agent's
+# preemptive request on an interim transcript is cut 150-400 ms in, often inside a cold prefill, and
+# the final request then computes only what the cut one had not. Every prefill (generate, stream,
+# prefill-ahead, a reused prefix's rest) is split by this one rule. The size: CHUNK_COST_NOTE.
+PREFILL_CHUNK = 128
+
+
+def prefill(target: Engine, kv: KVCache, ids: np.ndarray) -> np.ndarray:
+    """Forward ``ids`` (int64 ``[n]``, n >= 1) at positions ``kv.length ..`` in chunks of
+    :data:`PREFILL_CHUNK` tokens; returns the last position's logits ``[1, vocab]``. A forward that
+    raises (a cancel) leaves ``kv.length`` after the last whole chunk."""
+    ids = np.asarray(ids, np.int64)
+    for start in range(0, len(ids) - PREFILL_CHUNK, PREFILL_CHUNK):
+        target.forward(ids[start:start + PREFILL_CHUNK], kv, num_logits=1)
+    last = (len(ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    return target.forward(ids[last:], kv, num_logits=1)
+
+
 @dataclass
 class LoopResult:
     tokens: list[int] = field(default_factory=list)  # new tokens, EOS included when it ended the run
@@ -324,7 +343,7 @@ def run(target: Engine, target_kv: KVCache, prompt: np.ndarray, *, max_new_token
         raise ValueError(f"reuse {reuse} must leave >= 1 prompt token and be held by the cache ({target_kv.length})")
     target_kv.rewind(target_kv.length - reuse)  # reuse 0: an empty cache
     stats.reused_tokens = reuse
-    logits = target.forward(np.asarray(prompt[reuse:], np.int64), target_kv, num_logits=1)
+    logits = prefill(target, target_kv, prompt[reuse:])
     first = verify(Proposal.empty(), logits, sampling, rng, near_tie)
     stats.prefill_s = time.perf_counter() - state.start
     stats.near_ties += first.near_ties

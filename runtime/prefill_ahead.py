@@ -23,6 +23,7 @@ from ..engines.base import Engine
 from ..engines.invariant import BatchInvariantEngine
 from ..errors import PromptCacheError
 from . import prompt_cache
+from .loop import prefill
 from .options import GenerationConfig
 from .slots import CacheSlot, SlotPool, common_prefix
 
@@ -47,7 +48,7 @@ def fill(slot: CacheSlot, reuse: int, ids: list[int], target: Engine, draft: Eng
     try:
         slot.target_kv.rewind(slot.target_kv.length - reuse)
         if reuse < len(ids):
-            target.forward(np.asarray(ids[reuse:], np.int64), slot.target_kv, 1)
+            prefill(target, slot.target_kv, np.asarray(ids[reuse:], np.int64))
         if draft is not None and slot.draft_kv is not None:
             keep = min(common_prefix(slot.draft_prefix.contiguous(), ids), slot.draft_kv.length, len(ids))
             slot.draft_kv.rewind(slot.draft_kv.length - keep)

@@ -10,8 +10,8 @@ the wrapper cancels, then calls the real run), so the stop is deterministic: no 
 - Engine: both ORT paths (IO binding and plain ``run``) stop, raise ForwardCancelled, keep ``length``;
   a later run (a fresh RunOptions) succeeds and computes the same logits as a cold cache.
 - Generator: a stream cancelled while its prefill runs (target, then draft catch-up) ends "cancelled",
-  its slot keeps the earlier turn's committed tokens only, and the next request reuses just those and
-  replies as a cold request does.
+  its slot keeps the earlier turn's committed tokens only (and the whole chunks a long prefill finished
+  before the cut), and the next request reuses just those and replies as a cold request does.
 - Server: a client that leaves while its streamed request's prefill runs (the run is held until the server
   has cancelled the job) stops that forward; no later reply is lost, and each equals a cold request's.
 """
@@ -123,6 +123,36 @@ def test_a_cancel_midway_keeps_only_committed_tokens_and_the_next_reply_is_a_col
     kept = list(slot.tokens)
     final = gen.generate(input_ids=prompt, **options)
     assert final.stats.reused_tokens == min(common_prefix(kept, prompt), len(prompt) - 1) >= len(held)
+    cold = Generator.from_bundle(self_spec_bundle, threads=1).generate(input_ids=prompt, reuse_prefix=False,
+                                                                        **options)
+    assert_agrees(gen, prompt, cold.token_ids, final.token_ids, exact=exact)
+    if exact:
+        assert final.token_ids == cold.token_ids
+
+
+def test_a_prefill_cut_inside_a_later_chunk_keeps_the_chunks_before_it(self_spec_bundle, monkeypatch):
+    """A long cold prompt is prefilled in chunks (runtime/loop.py PREFILL_CHUNK); a cancel inside the
+    third chunk's forward leaves the slot holding the first two, and the next request with that prompt
+    reuses exactly those and replies as a cold request does."""
+    from specedge.runtime import loop
+    from specedge.runtime.generator import Generator
+
+    monkeypatch.setattr(loop, "PREFILL_CHUNK", 16)
+    gen = Generator.from_bundle(self_spec_bundle, threads=1, cache_slots=2)
+    exact = exact_holds(gen)
+    options = dict(max_new_tokens=10, drafter="model", draft_tokens=3, adaptive=False, exact=exact,
+                   reply_memory=False)
+    prompt = SYSTEM + TURN_2  # 90 tokens: chunks of 16 x 5 and 10
+    stream = gen.stream(input_ids=prompt, **options)
+    with monkeypatch.context() as patch:
+        raised = _cancel_inside(patch, gen.target.inner, stream.cancel, when=lambda n: n == 3)
+        list(stream)
+    assert stream.result.finish_reason == "cancelled" and stream.result.token_ids == []
+    assert len(raised) == 1 and "terminate flag" in str(raised[0])
+    slot = next(s for s in gen.slots.slots if s.tokens)
+    assert slot.tokens == prompt[:32] and slot.target_kv.length == 32
+    final = gen.generate(input_ids=prompt, **options)
+    assert final.stats.reused_tokens == 32
     cold = Generator.from_bundle(self_spec_bundle, threads=1).generate(input_ids=prompt, reuse_prefix=False,
                                                                         **options)
     assert_agrees(gen, prompt, cold.token_ids, final.token_ids, exact=exact)

@@ -47,6 +47,20 @@ def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) 
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_a_tensor_decoded_in_row_chunks_equals_one_decoded_whole(kind, monkeypatch):
+    from specedge.export import gguf_import
+
+    raw = _random_blocks(kind, 11, 2, np.random.default_rng(7))
+    whole = gguf_import._decode(kind, raw)
+    monkeypatch.setattr(gguf_import, "_DECODE_ROWS", 4)  # chunks of 4, 4 and 3 rows
+    chunked = gguf_import._decode_rows(kind, raw)
+    for field in ("q", "scales", "offsets", "zero_points"):
+        a, b = getattr(whole, field), getattr(chunked, field)
+        assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b)), field
+    assert (chunked.bits, chunked.block) == (whole.bits, whole.block)
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_each_block_type_dequantizes_as_the_gguf_package_does(kind):
     import gguf
 
