@@ -413,11 +413,22 @@ class BlockCandidate:
     verify_ms: float  # median 5-token verify
     greedy_agreement: float  # share of fp32 greedy tokens this graph's argmax reproduces, teacher-forced
     bit_identical: bool  # its exact steps equal verify rows bit for bit at every verify length (validate.py)
+    # The finest block's step timed in the same rotated rounds as this one's, so that the two compare on
+    # equal load even when the candidates were measured minutes or runs apart (a stopped and resumed
+    # --tune). None: the finest block itself, or a record whose candidates were all timed in one set of
+    # rounds (written before candidates were measured one at a time); its own exact_step_ms is the basis then.
+    default_step_ms: float | None = None
 
-    FIELDS = ("block_size", "exact_step_ms", "verify_ms", "greedy_agreement", "bit_identical")
+    FIELDS = ("block_size", "exact_step_ms", "verify_ms", "greedy_agreement", "bit_identical", "default_step_ms")
+
+    def step_ratio(self, default: "BlockCandidate") -> float:
+        """This block's step over the finest block's (``default``), timed side by side where recorded."""
+        basis = self.default_step_ms if self.default_step_ms is not None else default.exact_step_ms
+        return self.exact_step_ms / basis
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.FIELDS}
+        # default_step_ms only when set: a record without it reads as it did before the field existed.
+        return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "BlockCandidate":
@@ -430,10 +441,14 @@ class BlockCandidate:
                  for k in ("exact_step_ms", "verify_ms")}
         if min(times.values()) <= 0:
             raise ManifestError(f"manifest field '{where}' needs positive step times, got {times}")
+        paired = read_field(obj, "default_step_ms", where, (int, float), optional=True)
         return cls(block_size=block, greedy_agreement=_fraction(read_field(obj, "greedy_agreement", where,
                                                                            (int, float)),
                                                                 f"{where}.greedy_agreement"),
-                   bit_identical=read_field(obj, "bit_identical", where, bool), **times)
+                   bit_identical=read_field(obj, "bit_identical", where, bool),
+                   default_step_ms=None if paired is None else finite(paired, dotted(where, "default_step_ms"),
+                                                                      positive=True),
+                   **times)
 
 
 @dataclass(frozen=True)
@@ -448,6 +463,10 @@ class QuantTuning:
     # Rows of the timed step: 2 for a target (its exact plain step; exactness required), 1 for a draft
     # (drafts run plain 1-row steps and are verified, so exactness is not required). Older records: 2.
     step_rows: int = 2
+    # True: the tuning was stopped (Ctrl-C) before every candidate block was measured; ``candidates`` lists
+    # those that were, and the choice was made among them. Older records: False (every candidate measured).
+    # Written only when True, so a complete tuning's record is what older readers expect.
+    stopped: bool = False
 
     @property
     def exact_required(self) -> bool:
@@ -460,12 +479,12 @@ class QuantTuning:
     def to_dict(self) -> dict[str, Any]:
         return {"machine": self.machine.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
                 "chosen": self.chosen, "positions": self.positions, "context": self.context,
-                "step_rows": self.step_rows}
+                "step_rows": self.step_rows} | ({"stopped": True} if self.stopped else {})
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "QuantTuning":
         check_type(obj, where, dict)
-        refuse_unknown(obj, ("machine", "candidates", "chosen", "positions", "context", "step_rows"), where)
+        refuse_unknown(obj, ("machine", "candidates", "chosen", "positions", "context", "step_rows", "stopped"), where)
         raw = read_field(obj, "candidates", where, list)
         if not raw:
             raise ManifestError(f"manifest field '{where}.candidates' must list at least one block size")
@@ -483,7 +502,8 @@ class QuantTuning:
             raise ManifestError(f"manifest field '{where}.step_rows' must be 1 (a draft) or 2 (a target), "
                                 f"got {step_rows}")
         return cls(machine=MachineFingerprint.from_dict(read_field(obj, "machine", where, dict), f"{where}.machine"),
-                   candidates=candidates, chosen=chosen, step_rows=step_rows, **counts)
+                   candidates=candidates, chosen=chosen, step_rows=step_rows,
+                   stopped=read_field(obj, "stopped", where, bool, optional=True, default=False), **counts)
 
 
 # --------------------------------------------------------------------------- quality (specedge eval)

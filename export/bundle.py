@@ -343,38 +343,81 @@ class _ModelExporter:
 
     def _tuned_quantization(self, role: str, src_entry: ModelEntry, src_graph: Path, graph: Path, bits: int,
                             source: str, precision: str, spec, head_file: Path | None) -> list[Path]:
-        """Quantize ``src_graph`` at every candidate block size, keep the one export/tune.py chooses
-        (moved to ``graph``), record the measurements in ``self.quant_tuning[role]``."""
+        """Quantize ``src_graph`` at the candidate block sizes export/tune.py measures, keep the one it chooses
+        (moved to ``graph``), record the measurements in ``self.quant_tuning[role]``.
+
+        Each measurement is saved as it is taken (export/tune_saved.py), so the same export run again after
+        a Ctrl-C measures only the blocks still missing; a block measured in an earlier run is quantized only
+        if it is chosen. A Ctrl-C before block 32 was measured keeps block 32 untuned (no record)."""
+        from ..bundle.extra import MachineFingerprint
         from .quantize import QuantConfig, quantize_graph
-        from .tune import CANDIDATE_BLOCKS, Candidate, calibration_prompts, tune_block_size
+        from .tune import (CANDIDATE_BLOCKS, METHOD, Candidate, calibration_prompts, timed_rows,
+                           tune_block_size)
+        from .tune_saved import SavedTuning, TuneKey, digest_of, library_versions, source_identity
 
         cfg = self.config
         scratch = src_graph.parent
-        candidates, files, chosen = [], {}, {}
-        for block in CANDIDATE_BLOCKS:
-            folder = scratch / f"block{block}"
-            folder.mkdir()
-            self.progress(f"tune: quantizing {role} at block {block}")
-            chosen[block] = {}
-            eta = self._eta(f"tune: quantizing {role} at block {block}", 1, "weights")
-            files[block] = quantize_graph(src_graph, folder / graph.name,
-                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
-                                          plan=self._plan(bits, spec.n_layers, block), chosen=chosen[block],
-                                          progress=eta.update)
-            entry = self._entry(role, files[block], source, precision, "float32", spec=spec, head_file=head_file)
-            candidates.append(Candidate(block, entry, files[block][0]))
+        mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
+        candidates: dict[int, Candidate] = {}
+        files: dict[int, list[Path]] = {}
+        chosen: dict[int, dict] = {}  # block -> each weight's form, for the manifest's record
+
+        def quantized(block: int) -> Candidate:
+            if block not in candidates:
+                folder = scratch / f"block{block}"
+                shutil.rmtree(folder, ignore_errors=True)  # what a quantization stopped by Ctrl-C left
+                folder.mkdir()
+                self.progress(f"tune: quantizing {role} at block {block}")
+                forms: dict = {}
+                eta = self._eta(f"tune: quantizing {role} at block {block}", 1, "weights")
+                written = quantize_graph(src_graph, folder / graph.name,
+                                         QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
+                                         plan=self._plan(bits, spec.n_layers, block), chosen=forms,
+                                         progress=eta.update)
+                entry = self._entry(role, written, source, precision, "float32", spec=spec, head_file=head_file)
+                files[block], chosen[block] = written, forms
+                candidates[block] = Candidate(block, entry, written[0])
+            return candidates[block]
+
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                                       src_entry.max_context)
-        tuning = tune_block_size(candidates, src_entry, src_graph, prompts, max_verify=cfg.max_draft_tokens + 1,
-                                 threads=cfg.tune_threads, role=role, exact=cfg.exact, progress=self.progress)
-        self.quant_tuning[role] = tuning
-        self.quantization[role] = _quant_record(cfg.quant_mix if bits == 4 else "rtn-sym8", chosen[tuning.chosen])
-        measured = "; ".join(f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
-                             f"{c.greedy_agreement:.3f}{'' if c.bit_identical or not tuning.exact_required else ', NOT exact'}"
-                             for c in tuning.candidates)
-        self.progress(f"tune: {role} keeps block {tuning.chosen} ({measured})")
+        origin = self.loaded.origin
+        saved = None
+        if origin is not None and origin.exists():
+            key = TuneKey(source=source_identity(origin), role=role, bits=bits, mix=mix,
+                          accuracy_level=cfg.accuracy_level, max_context=cfg.max_context, attention=self.attention,
+                          layers=spec.n_layers, head="" if head_file is None else _sha256_bytes(head_file.read_bytes()),
+                          prompts=digest_of([p.tolist() for p in prompts]), max_verify=cfg.max_draft_tokens + 1,
+                          step_rows=timed_rows(role, cfg.exact), machine=MachineFingerprint.here(cfg.tune_threads),
+                          method=METHOD, versions=library_versions())
+            saved = SavedTuning.in_cache(key, origin.stem if origin.is_file() else origin.name)
+        else:
+            self.progress("tune: the source is not a file or folder to name it by: measurements are not saved")
+        tuning = tune_block_size(CANDIDATE_BLOCKS, quantized, src_entry, src_graph, prompts,
+                                 max_verify=cfg.max_draft_tokens + 1, threads=cfg.tune_threads, role=role,
+                                 exact=cfg.exact, saved=None if saved is None else saved.load(self.progress),
+                                 on_measured=(lambda _: None) if saved is None else
+                                 (lambda measured: saved.save(measured, self.progress)),
+                                 progress=self.progress)
+        if tuning is None:
+            block = min(CANDIDATE_BLOCKS)
+            self.progress(f"tune: stopped before block {block} was measured: {role} keeps block {block}, untuned "
+                          "(no tuning record)")
+        else:
+            self.quant_tuning[role] = tuning
+            block = tuning.chosen
+            measured = "; ".join(
+                f"block {c.block_size}: {tuning.step_rows}-row step {c.exact_step_ms:.1f} ms, agreement "
+                f"{c.greedy_agreement:.3f}{'' if c.bit_identical or not tuning.exact_required else ', NOT exact'}"
+                for c in tuning.candidates)
+            self.progress(f"tune: {role} keeps block {block} ({measured})")
+        if tuning is not None and tuning.stopped and saved is not None:
+            self.progress(f"tune: what was measured is saved in {saved.path}: the same export run again measures "
+                          "only the block sizes still missing")
+        quantized(block)  # a block whose measurement was reused is quantized here, once chosen
+        self.quantization[role] = _quant_record(mix, chosen[block])
         out = []
-        for path in files[tuning.chosen]:  # the graph keeps its data file's name: moved together, it still loads
+        for path in files[block]:  # the graph keeps its data file's name: moved together, it still loads
             out.append(graph.parent / path.name)
             os.replace(path, out[-1])
         return out

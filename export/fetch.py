@@ -322,7 +322,7 @@ def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
     """True when ``final`` has the catalog size and SHA-256, hashing only if needed.
 
     The sidecar is trusted only when it records the catalog digest and the
-    file's current identity (see ``_identity``); otherwise the file is rehashed.
+    file's current identity (see ``file_identity``); otherwise the file is rehashed.
     A wrong size means "not cached" without reading the file.
     """
     try:
@@ -336,7 +336,7 @@ def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
         recorded = sidecar.read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
         recorded = []
-    if recorded == [entry.sha256, *_identity(stat)]:
+    if recorded == [entry.sha256, *file_identity(stat)]:
         return True
     if sha256_file(final) != entry.sha256:
         return False
@@ -344,11 +344,12 @@ def _verified_in_cache(final: Path, entry: CatalogModel) -> bool:
     return True
 
 
-def _identity(stat: os.stat_result) -> list[str]:
+def file_identity(stat: os.stat_result) -> list[str]:
     """What proves a file unchanged since it was hashed: size, mtime, ctime, inode.
 
     mtime alone can be put back (``touch -d``, ``os.utime``); ctime cannot be set by any
-    user-level call and changes with every write, rename or utime.
+    user-level call and changes with every write, rename or utime. export/tune_saved.py names a
+    source checkpoint's files by it too.
     """
     return [str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ctime_ns), str(stat.st_ino)]
 
@@ -361,7 +362,7 @@ def _sidecar(final: Path) -> Path:
 def _write_sidecar(final: Path, hexdigest: str) -> None:
     """Record ``hexdigest`` beside ``final``, atomically so a reader never sees half of it."""
     sidecar = _sidecar(final)
-    identity = _identity(final.stat())  # after the final rename: later renames would change ctime
+    identity = file_identity(final.stat())  # after the final rename: later renames would change ctime
     fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(sidecar.name), dir=final.parent)
     try:
         with os.fdopen(fd, "w", encoding="ascii") as handle:

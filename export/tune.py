@@ -26,6 +26,16 @@ measurements and the choice go into the manifest (``extra.quant_tuning``) with t
 were taken on; ``specedge info`` says when a bundle was tuned elsewhere (it still runs there: a
 block size is only a speed choice).
 
+**One candidate at a time, finest first** (:func:`tune_block_size`), so that tuning can stop and
+resume (issue #38): each candidate is quantized (by the caller) and measured in full before the
+next, and handed to ``on_measured`` (export/tune_saved.py keeps it for a later run). A coarser
+block's steps are timed in rounds rotated with the finest block's, and both medians are recorded
+(``BlockCandidate.default_step_ms``), so a candidate measured in another run, under other load, is
+still compared with the default on equal terms. A first Ctrl-C stops the measuring; the choice is
+then made among the candidates measured so far (the default, measured first, is always one of
+them unless the stop came before it) and the record says it was stopped. A second Ctrl-C is not
+caught here: it aborts the export, as any Ctrl-C did before.
+
 A quantized **draft** is tuned the same way with two differences: its step is timed as the draft
 runs it (one row, no batch-invariant padding), and exactness is not required, because every draft
 token is verified by the target (a draft's bits never reach the output). On the AVX-512 EPYC the
@@ -35,6 +45,7 @@ the export's own 15-round tuning, at equal agreement with its fp32 graph (0.863 
 
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +65,8 @@ CANDIDATE_BLOCKS = (32, 64, 128)
 # matmul layout, which is what differs between candidates, dominates the comparison.
 TIMING_CONTEXT = 256
 # Rounds per candidate: the paired timing's 30-round medians moved 1-2% between runs on a quiet box;
-# 15 keeps the timing of three 1.5B candidates under a minute.
+# 15 kept the timing of three 1.5B candidates in one set of rounds under a minute (each coarser block
+# is now timed beside the default in rounds of its own: 5 graphs' rounds instead of 3).
 TIMING_REPS = 15
 VERIFY_TOKENS = 5
 # A coarser block must be faster than the default by more than this to be chosen: paired medians on a
@@ -65,6 +77,10 @@ MIN_GAIN = 0.03
 # agreement by 0.3 points (on Qwen2.5-Coder-1.5B int4 the blocks differed by 2 of 144 at 48 each).
 CONTINUATION_TOKENS = 64
 MAX_PROMPT_TOKENS = 192
+# The measurement's settings, in the key of saved measurements (export/tune_saved.py TuneKey.method): a
+# measurement taken with other settings is not reused.
+METHOD = (f"steps at {TIMING_CONTEXT} positions, {TIMING_REPS} rounds beside the finest block, "
+          f"{VERIFY_TOKENS}-token verify, {CONTINUATION_TOKENS}-token greedy continuations")
 # Fixed calibration prompts: prose, an instruction, code, a voice-agent turn, a tool call. Plain text
 # (no chat template), so every tokenizer reads them the same way.
 CALIBRATION_TEXTS = (
@@ -86,6 +102,12 @@ class Candidate:
     block_size: int
     entry: ModelEntry
     graph: Path
+
+
+def timed_rows(role: str, exact: bool) -> int:
+    """Rows of the step tuning times: 2 for a target exported with ``--exact`` (its exact plain step, and
+    exactness is then required), else 1 (fast mode's plain step, and every draft's)."""
+    return 2 if role == "target" and exact else 1
 
 
 def continuation_tokens(max_context: int) -> int:
@@ -187,8 +209,9 @@ def choose(candidates: tuple[BlockCandidate, ...], *, require_exact: bool = True
     default = min(candidates, key=lambda c: c.block_size)
     faithful = [c for c in candidates if c.greedy_agreement >= default.greedy_agreement
                 and (c.bit_identical or not default.bit_identical or not require_exact)]
-    fastest = min(faithful, key=lambda c: (c.exact_step_ms, c.block_size))
-    return fastest.block_size if fastest.exact_step_ms < default.exact_step_ms * (1 - MIN_GAIN) else default.block_size
+    # Each step over the default's timed beside it (BlockCandidate.step_ratio): the default's own is 1.
+    fastest = min(faithful, key=lambda c: (c.step_ratio(default), c.block_size))
+    return fastest.block_size if fastest.step_ratio(default) < 1 - MIN_GAIN else default.block_size
 
 
 def exact_everywhere(candidate: Candidate, max_verify: int) -> bool:
@@ -202,29 +225,70 @@ def exact_everywhere(candidate: Candidate, max_verify: int) -> bool:
                                    max_verify=max_verify)
 
 
-def tune_block_size(candidates: list[Candidate], reference_entry: ModelEntry, reference_graph: Path,
-                    prompts: list[np.ndarray], *, max_verify: int, threads: int = 0, role: str = "target",
-                    exact: bool = False, progress: Callable[[str], None] = lambda _: None) -> QuantTuning:
-    """Measure every candidate (module docstring) and return the record with the choice;
-    ``max_verify``: the bundle's largest verify (max_draft_tokens + 1); ``role``: "target" or "draft";
-    ``exact`` (a target exported with ``--exact``): time exact 2-row steps and require exactness wherever
-    the default block has it. Otherwise 1-row steps, as fast mode and every draft run them; exactness is
-    then measured and recorded (exact mode refuses a target without it) but not required."""
-    exact_role = role == "target" and exact
-    progress("tune: fp32 greedy reference")
-    references = greedy_references(reference_entry, reference_graph, prompts)
-    agreement, exact = {}, {}
-    for c in candidates:
-        progress(f"tune: greedy agreement and exact steps, block {c.block_size}")
-        agreement[c.block_size] = greedy_agreement(c.entry, c.graph, prompts, references)
-        exact[c.block_size] = exact_everywhere(c, max_verify)
-    progress("tune: timing exact steps" if exact_role else "tune: timing 1-row steps")
-    timings = time_steps(candidates, exact=exact_role, threads=threads)
-    measured = tuple(BlockCandidate(block_size=c.block_size, exact_step_ms=round(timings[c.block_size][0], 3),
-                                    verify_ms=round(timings[c.block_size][1], 3),
-                                    greedy_agreement=round(agreement[c.block_size], 4),
-                                    bit_identical=exact[c.block_size])
-                     for c in candidates)
-    return QuantTuning(machine=MachineFingerprint.here(threads), candidates=measured,
-                       chosen=choose(measured, require_exact=exact_role), positions=sum(len(r) for r in references),
-                       context=TIMING_CONTEXT, step_rows=2 if exact_role else 1)
+def measure_candidate(candidate: Candidate, prompts: list[np.ndarray], references: list[np.ndarray], *,
+                      default: Candidate | None, max_verify: int, threads: int = 0,
+                      exact_role: bool = False) -> BlockCandidate:
+    """One candidate's record: greedy agreement with ``references``, exactness up to ``max_verify``, and
+    its step and verify timed (exact 2-row steps when ``exact_role``), in rounds rotated with
+    ``default``'s (the finest block, whose step is recorded beside) unless it is the default (None)."""
+    agreement = greedy_agreement(candidate.entry, candidate.graph, prompts, references)
+    exact = exact_everywhere(candidate, max_verify)
+    timings = time_steps([candidate] if default is None else [default, candidate], exact=exact_role, threads=threads)
+    step_ms, verify_ms = timings[candidate.block_size]
+    return BlockCandidate(block_size=candidate.block_size, exact_step_ms=round(step_ms, 3),
+                          verify_ms=round(verify_ms, 3), greedy_agreement=round(agreement, 4), bit_identical=exact,
+                          default_step_ms=None if default is None else round(timings[default.block_size][0], 3))
+
+
+def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidate], reference_entry: ModelEntry,
+                    reference_graph: Path, prompts: list[np.ndarray], *, max_verify: int, threads: int = 0,
+                    role: str = "target", exact: bool = False, saved: dict[int, BlockCandidate] | None = None,
+                    on_measured: Callable[[dict[int, BlockCandidate]], None] = lambda _: None,
+                    progress: Callable[[str], None] = lambda _: None) -> QuantTuning | None:
+    """Measure each block size of ``blocks`` not already in ``saved`` (module docstring), finest first, and
+    return the record with the choice; None when stopped before the finest block was measured (the caller
+    keeps it, untuned).
+
+    ``quantized(block)``: that block's candidate graph, quantized on first use (a block whose measurement
+    is saved is never quantized here). ``on_measured``: called with every measurement so far after each
+    new one. ``max_verify``: the bundle's largest verify (max_draft_tokens + 1); ``role``: "target" or
+    "draft"; ``exact`` (a target exported with ``--exact``): time exact 2-row steps and require exactness
+    wherever the default block has it. Otherwise 1-row steps, as fast mode and every draft run them;
+    exactness is then measured and recorded (exact mode refuses a target without it) but not required.
+    A KeyboardInterrupt while measuring stops it (the module docstring); one outside this call is not caught.
+    """
+    exact_role = timed_rows(role, exact) == 2
+    order = sorted(blocks)
+    measured = {b: c for b, c in (saved or {}).items() if b in order}
+    pending = [b for b in order if b not in measured]
+    stopped = False
+    if measured:
+        reused = ", ".join(str(b) for b in order if b in measured)
+        progress(f"tune: reusing the saved measurements of block {reused} (an earlier run of this export)")
+    if pending:
+        try:
+            progress("tune: fp32 greedy reference")
+            references = greedy_references(reference_entry, reference_graph, prompts)
+            gc.collect()  # the fp32 session (4 bytes a parameter) is freed by the collector, before quantizing
+            for block in pending:
+                candidate = quantized(block)
+                default = None if block == order[0] else quantized(order[0])
+                progress(f"tune: measuring block {block} (greedy agreement, exact steps, "
+                         f"{'exact 2-row' if exact_role else '1-row'} steps"
+                         f"{'' if default is None else f' beside block {default.block_size}'})")
+                measured[block] = measure_candidate(candidate, prompts, references, default=default,
+                                                    max_verify=max_verify, threads=threads, exact_role=exact_role)
+                on_measured(dict(measured))
+                gc.collect()  # and its sessions before the next candidate's
+        except KeyboardInterrupt:
+            stopped = True
+            done = ", ".join(str(b) for b in order if b in measured) or "none"
+            progress(f"tune: stopped by Ctrl-C; block sizes measured: {done}. The export goes on with the "
+                     "best of those (Ctrl-C again aborts it)")
+    if order[0] not in measured:
+        return None
+    candidates = tuple(measured[b] for b in order if b in measured)
+    return QuantTuning(machine=MachineFingerprint.here(threads), candidates=candidates,
+                       chosen=choose(candidates, require_exact=exact_role),
+                       positions=len(prompts) * continuation_tokens(reference_entry.max_context),
+                       context=TIMING_CONTEXT, step_rows=2 if exact_role else 1, stopped=stopped)

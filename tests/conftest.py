@@ -121,8 +121,11 @@ def export(tmp_path_factory) -> Callable[..., Path]:
         key = (str(target), str(draft), tuple(sorted(options.items())))
         if key not in done:
             out = root / f"bundle-{len(done)}"
-            export_bundle(ExportConfig(target=str(target), out=out, draft=None if draft is None else str(draft),
-                                       quiet=True, **options))
+            with pytest.MonkeyPatch.context() as mp:
+                if options.get("tune_block_size"):  # saved measurements (export/tune_saved.py): not the user's cache
+                    mp.setenv("SPECEDGE_CACHE", str(root / "cache"))
+                export_bundle(ExportConfig(target=str(target), out=out, draft=None if draft is None else str(draft),
+                                           quiet=True, **options))
             done[key] = out
         return done[key]
 

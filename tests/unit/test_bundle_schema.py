@@ -33,6 +33,10 @@ ENGINE = EngineRecord(route="native", tensorrt_version="10.3.0", gpu_name="NVIDI
 TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979, True),
                                                   BlockCandidate(128, 55.2, 98.4, 0.986, False)),
                       chosen=128, positions=144, context=256)
+# A tuning stopped (Ctrl-C) after two blocks, the coarser timed beside the finest (export/tune.py).
+STOPPED_TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.1, 112.0, 0.979, True),
+                                                          BlockCandidate(64, 60.0, 101.0, 0.981, True, 66.4)),
+                             chosen=64, positions=144, context=256, step_rows=1, stopped=True)
 QUALITY = QualityRecord(chunk=512, max_tokens=96, source="gguf:model.Q4_K_M.gguf",
                         kinds={"prose": QualityScore(95, 12.5, 9.3, 0.845), "code": QualityScore(95, 3.1, 2.9, 0.93)},
                         overall=QualityScore(190, 6.2, 5.2, 0.8875))
@@ -53,7 +57,8 @@ EXTRA = ManifestExtra(
 @pytest.mark.parametrize("value", [MACHINE, PROFILE, replace(PROFILE, draft_token_s=None, draft_catchup_token_s=None),
                                    EXTRA.validation["target:fp32"], EXTRA.validation["draft:int4-vs-fp32"],
                                    EXTRA.exact_steps["target"], SHAPES["input_ids"], ENGINE.profiles[0], ENGINE,
-                                   TUNING, TUNING.candidates[0], QUALITY, QUALITY.overall,
+                                   TUNING, TUNING.candidates[0], STOPPED_TUNING, STOPPED_TUNING.candidates[1],
+                                   QUALITY, QUALITY.overall,
                                    QualityRecord(chunk=16, kinds={"a.txt": QualityScore(15, 7.0)},
                                                  overall=QualityScore(15, 7.0)),
                                    EXTRA, ManifestExtra()],
@@ -168,6 +173,9 @@ MALFORMED = [
                                                           r".bit_identical' must be bool"),
     ("quant_tuning.target.machine.cpu", 7, r"'extra.quant_tuning.target.machine.cpu' must be str"),
     ("quant_tuning.target.seed", 1, r"'extra.quant_tuning.target.seed' is not part of the schema"),
+    ("quant_tuning.target.stopped", "yes", r"'extra.quant_tuning.target.stopped' must be bool"),
+    ("quant_tuning.target.candidates.1.default_step_ms", 0, r"'extra.quant_tuning.target.candidates\[1\]"
+                                                            r".default_step_ms' must be a finite number > 0"),
     ("quality", [], r"'extra.quality' must be dict"),
     ("quality.chunk", 1, r"'extra.quality.chunk' must be >= 2"),
     ("quality.max_tokens", "all", r"'extra.quality.max_tokens' must be int"),
@@ -259,6 +267,25 @@ def test_manifests_earlier_versions_wrote_still_load(version, name):
     assert manifest.format_version == version
     assert manifest.extra == ManifestExtra.from_dict(extra)
     assert parse_manifest(manifest.to_json()) == manifest  # and what it writes back reads the same
+
+
+def test_a_tuning_record_from_before_stopping_and_pairing_reads_as_complete_and_unpaired():
+    """Records written before tuning could stop (no ``stopped``) and before each candidate was timed beside
+    the finest block (no ``default_step_ms``) read as a complete tuning compared on its own step times; and
+    a complete tuning writes neither key, so what older readers accept is unchanged."""
+    old = {"machine": MACHINE.to_dict(), "chosen": 128, "positions": 144, "context": 256,
+           "candidates": [{"block_size": 32, "exact_step_ms": 67.1, "verify_ms": 112.0, "greedy_agreement": 0.979,
+                           "bit_identical": True},
+                          {"block_size": 128, "exact_step_ms": 55.2, "verify_ms": 98.4, "greedy_agreement": 0.986,
+                           "bit_identical": False}]}
+    tuning = QuantTuning.from_dict(old, "x")
+    assert not tuning.stopped and tuning.step_rows == 2 and tuning == TUNING
+    assert all(c.default_step_ms is None for c in tuning.candidates)
+    assert tuning.candidate(128).step_ratio(tuning.candidate(32)) == pytest.approx(55.2 / 67.1)
+    assert "stopped" not in TUNING.to_dict() and "default_step_ms" not in TUNING.candidates[1].to_dict()
+    assert STOPPED_TUNING.to_dict()["stopped"] is True
+    # Timed beside the finest block: the ratio uses the finest block's step from the same rounds.
+    assert STOPPED_TUNING.candidate(64).step_ratio(STOPPED_TUNING.candidate(32)) == pytest.approx(60.0 / 66.4)
 
 
 def test_an_old_profile_reads_as_typed_costs():

@@ -59,3 +59,24 @@ def test_fetch_list_shows_disk_use_and_clean_frees_it(tmp_path, monkeypatch):
     assert [i.kind for i in cache_items(tmp_path)] == ["model"]
     bad = CliRunner().invoke(main, ["fetch", "--clean", "nope"])
     assert bad.exit_code != 0 and "no cached item is called 'nope'" in bad.output
+
+
+def test_saved_tune_measurements_are_listed_and_cleaned_as_their_own_kind(tmp_path, monkeypatch):
+    """export --tune's saved measurements (export/tune_saved.py) are files under tune/: listed by their name,
+    removed by name or all at once with 'tune'; a write in progress (.NAME.partial-PID-...) is not an item."""
+    _fill(tmp_path)
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "m-target-0123.json").write_text("{}" * 100)
+    (tmp_path / "tune" / "m-draft-4567.json").write_text("{}")
+    (tmp_path / "tune" / ".m-target-0123.json.partial-1-x").write_text("{")
+    assert [(i.kind, i.name, i.bytes) for i in cache_items(tmp_path) if i.kind == "tune"] == [
+        ("tune", "m-draft-4567", 2), ("tune", "m-target-0123", 200)]
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
+    rows = json.loads(CliRunner().invoke(main, ["fetch", "--list", "--json"]).output)
+    assert {r["name"] for r in rows if r.get("tune")} == {"m-draft-4567", "m-target-0123"}
+    assert "m-target-0123" in CliRunner().invoke(main, ["fetch", "--list"]).output
+    assert [i.name for i in clean_cache("m-draft-4567", tmp_path)] == ["m-draft-4567"]
+    cleaned = CliRunner().invoke(main, ["fetch", "--clean", "tune"])
+    assert cleaned.exit_code == 0 and "removed tune m-target-0123" in cleaned.output
+    assert [i.kind for i in cache_items(tmp_path)] == ["model", "converted", "converted"]
+    assert [p.name for p in (tmp_path / "tune").iterdir()] == [".m-target-0123.json.partial-1-x"]

@@ -47,6 +47,19 @@ def test_a_gain_inside_timing_noise_keeps_the_default():
     assert choose((block(32, 67.0, 0.98), block(128, 67.0 * (1 - MIN_GAIN) - 0.01, 0.99))) == 128
 
 
+def test_a_block_timed_beside_the_default_is_compared_with_the_default_of_its_own_rounds():
+    """A candidate measured in another run (a resumed --tune) records the default's step from its own
+    rounds (default_step_ms): the machine's load then, not the default's own run, is the basis."""
+    def paired(size, step_ms, default_ms):
+        return BlockCandidate(size, step_ms, 2 * step_ms, 0.98, True, default_step_ms=default_ms)
+
+    # 60 ms is 10% faster than the default's own 67 ms, but the default took 61 ms beside it: noise.
+    assert choose((block(32, 67.0, 0.98), paired(64, 60.0, 61.0))) == 32
+    # 60 ms is slower than the default's own 55 ms, but 20% faster than the default beside it.
+    assert choose((block(32, 55.0, 0.98), paired(64, 60.0, 75.0))) == 64
+    assert choose((block(32, 55.0, 0.98), paired(64, 60.0, 75.0), paired(128, 50.0, 60.0))) == 64
+
+
 def test_the_default_is_the_finest_block_whatever_the_order():
     assert choose((block(128, 70.0, 0.99), block(32, 67.0, 0.98))) == 32
     with pytest.raises(InvalidParameterError, match="no block-size candidates"):
