@@ -202,7 +202,7 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               "this machine (`specedge info`). It adds about 5 (--quant-mix rtn-sym4) to 10 (the default mix) "
               "minutes per billion parameters on a 2-core Intel Xeon with AVX-512 and AMX. Ctrl-C stops the "
               "block-size tuning and finishes the export with the blocks measured so far (a second Ctrl-C "
-              "aborts); each block's measurement is saved in the cache, so the same export run again measures "
+              "aborts); what was measured is saved in the cache, so the same export run again measures "
               "only the rest. Its fp32 greedy reference runs the whole fp32 graph (4 bytes a "
               "parameter in memory), whatever --validation says.")
 @click.option("--exact", is_flag=True, help="For bundles run in exact mode (`--exact` at generation): --tune times "

@@ -351,7 +351,7 @@ class _ModelExporter:
         if it is chosen. A Ctrl-C before block 32 was measured keeps block 32 untuned (no record)."""
         from ..bundle.extra import MachineFingerprint
         from .quantize import QuantConfig, quantize_graph
-        from .tune import (CANDIDATE_BLOCKS, METHOD, Candidate, calibration_prompts, timed_rows,
+        from .tune import (CANDIDATE_BLOCKS, METHOD, Candidate, Measurements, calibration_prompts, timed_rows,
                            tune_block_size)
         from .tune_saved import SavedTuning, TuneKey, digest_of, library_versions, source_identity
 
@@ -395,7 +395,7 @@ class _ModelExporter:
             self.progress("tune: the source is not a file or folder to name it by: measurements are not saved")
         tuning = tune_block_size(CANDIDATE_BLOCKS, quantized, src_entry, src_graph, prompts,
                                  max_verify=cfg.max_draft_tokens + 1, threads=cfg.tune_threads, role=role,
-                                 exact=cfg.exact, saved=None if saved is None else saved.load(self.progress),
+                                 exact=cfg.exact, saved=Measurements() if saved is None else saved.load(self.progress),
                                  on_measured=(lambda _: None) if saved is None else
                                  (lambda measured: saved.save(measured, self.progress)),
                                  progress=self.progress)

@@ -27,8 +27,9 @@ were taken on; ``specedge info`` says when a bundle was tuned elsewhere (it stil
 block size is only a speed choice).
 
 **One candidate at a time, finest first** (:func:`tune_block_size`), so that tuning can stop and
-resume (issue #38): each candidate is quantized (by the caller) and measured in full before the
-next, and handed to ``on_measured`` (export/tune_saved.py keeps it for a later run). A coarser
+resume (issue #38): the fp32 reference is taken, then each candidate is quantized (by the caller)
+and measured in full before the next; after each, everything measured so far (:class:`Measurements`)
+goes to ``on_measured`` (export/tune_saved.py keeps it for a later run). A coarser
 block's steps are timed in rounds rotated with the finest block's, and both medians are recorded
 (``BlockCandidate.default_step_ms``), so a candidate measured in another run, under other load, is
 still compared with the default on equal terms. A first Ctrl-C stops the measuring; the choice is
@@ -47,9 +48,9 @@ from __future__ import annotations
 
 import gc
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -93,6 +94,15 @@ CALIBRATION_TEXTS = (
     'Reply with one JSON object with the keys "tool" and "arguments". Tools: find_slots(date), '
     'book(slot_id, name). Request: book the first free slot on 12 March for Ana Ruiz.\n',
 )
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What a tuning has measured so far, kept between runs by export/tune_saved.py: the fp32 graph's greedy
+    continuations of the calibration prompts (token ids; () until taken) and each measured block's record."""
+
+    references: tuple[tuple[int, ...], ...] = ()
+    candidates: Mapping[int, BlockCandidate] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -242,34 +252,41 @@ def measure_candidate(candidate: Candidate, prompts: list[np.ndarray], reference
 
 def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidate], reference_entry: ModelEntry,
                     reference_graph: Path, prompts: list[np.ndarray], *, max_verify: int, threads: int = 0,
-                    role: str = "target", exact: bool = False, saved: dict[int, BlockCandidate] | None = None,
-                    on_measured: Callable[[dict[int, BlockCandidate]], None] = lambda _: None,
+                    role: str = "target", exact: bool = False, saved: Measurements = Measurements(),
+                    on_measured: Callable[[Measurements], None] = lambda _: None,
                     progress: Callable[[str], None] = lambda _: None) -> QuantTuning | None:
     """Measure each block size of ``blocks`` not already in ``saved`` (module docstring), finest first, and
     return the record with the choice; None when stopped before the finest block was measured (the caller
     keeps it, untuned).
 
     ``quantized(block)``: that block's candidate graph, quantized on first use (a block whose measurement
-    is saved is never quantized here). ``on_measured``: called with every measurement so far after each
-    new one. ``max_verify``: the bundle's largest verify (max_draft_tokens + 1); ``role``: "target" or
-    "draft"; ``exact`` (a target exported with ``--exact``): time exact 2-row steps and require exactness
-    wherever the default block has it. Otherwise 1-row steps, as fast mode and every draft run them;
-    exactness is then measured and recorded (exact mode refuses a target without it) but not required.
-    A KeyboardInterrupt while measuring stops it (the module docstring); one outside this call is not caught.
+    is saved is never quantized here). ``saved``: what an earlier run measured; its fp32 references are
+    reused too when they fit ``prompts``. ``on_measured``: called with everything measured so far after
+    the references and after each block. ``max_verify``: the bundle's largest verify (max_draft_tokens
+    + 1); ``role``: "target" or "draft"; ``exact`` (a target exported with ``--exact``): time exact 2-row
+    steps and require exactness wherever the default block has it. Otherwise 1-row steps, as fast mode
+    and every draft run them; exactness is then measured and recorded (exact mode refuses a target
+    without it) but not required. A KeyboardInterrupt while measuring stops it (the module docstring);
+    one outside this call is not caught.
     """
     exact_role = timed_rows(role, exact) == 2
     order = sorted(blocks)
-    measured = {b: c for b, c in (saved or {}).items() if b in order}
+    measured = {b: c for b, c in saved.candidates.items() if b in order}
     pending = [b for b in order if b not in measured]
+    references = _fitting(saved.references, prompts, reference_entry)
     stopped = False
     if measured:
         reused = ", ".join(str(b) for b in order if b in measured)
         progress(f"tune: reusing the saved measurements of block {reused} (an earlier run of this export)")
     if pending:
         try:
-            progress("tune: fp32 greedy reference")
-            references = greedy_references(reference_entry, reference_graph, prompts)
-            gc.collect()  # the fp32 session (4 bytes a parameter) is freed by the collector, before quantizing
+            if references is None:
+                progress("tune: fp32 greedy reference")
+                references = greedy_references(reference_entry, reference_graph, prompts)
+                gc.collect()  # the fp32 session (4 bytes a parameter) is freed by the collector, before quantizing
+                on_measured(_so_far(references, measured))
+            else:
+                progress("tune: reusing the saved fp32 greedy reference (an earlier run of this export)")
             for block in pending:
                 candidate = quantized(block)
                 default = None if block == order[0] else quantized(order[0])
@@ -278,7 +295,7 @@ def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidat
                          f"{'' if default is None else f' beside block {default.block_size}'})")
                 measured[block] = measure_candidate(candidate, prompts, references, default=default,
                                                     max_verify=max_verify, threads=threads, exact_role=exact_role)
-                on_measured(dict(measured))
+                on_measured(_so_far(references, measured))
                 gc.collect()  # and its sessions before the next candidate's
         except KeyboardInterrupt:
             stopped = True
@@ -292,3 +309,18 @@ def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidat
                        chosen=choose(candidates, require_exact=exact_role),
                        positions=len(prompts) * continuation_tokens(reference_entry.max_context),
                        context=TIMING_CONTEXT, step_rows=2 if exact_role else 1, stopped=stopped)
+
+
+def _fitting(saved: tuple[tuple[int, ...], ...], prompts: list[np.ndarray],
+             entry: ModelEntry) -> list[np.ndarray] | None:
+    """Saved fp32 references as arrays, or None unless there is one per prompt, each as long as this
+    context's continuations and within the vocabulary (they are fed back to the graphs as input ids)."""
+    tokens = continuation_tokens(entry.max_context)
+    if len(saved) != len(prompts) or any(len(r) != tokens or not all(0 <= t < entry.vocab_size for t in r)
+                                         for r in saved):
+        return None
+    return [np.asarray(r, np.int64) for r in saved]
+
+
+def _so_far(references: list[np.ndarray], measured: dict[int, BlockCandidate]) -> Measurements:
+    return Measurements(tuple(tuple(int(t) for t in r) for r in references), dict(measured))

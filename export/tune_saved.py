@@ -1,8 +1,9 @@
 """Tuning measurements kept between runs of ``specedge export --tune``, so that a stopped tuning resumes.
 
 Issue #38: a Ctrl-C during ``--tune`` keeps what was measured (export/tune.py), and the same export
-run again measures only the block sizes still missing. Each candidate's measurement (a
-:class:`~specedge.bundle.extra.BlockCandidate`) is written as soon as it is taken, to
+run again measures only the block sizes still missing. What a tuning measured (export/tune.py
+:class:`~specedge.export.tune.Measurements`: the fp32 greedy reference, then each candidate's
+:class:`~specedge.bundle.extra.BlockCandidate`) is written as soon as each part is taken, to
 ``<cache>/tune/<source>-<role>-<digest>.json`` (the cache of export/fetch.py ``cache_dir``, so
 ``$SPECEDGE_CACHE`` moves it too; ``specedge fetch --list`` shows these files and ``specedge fetch
 --clean tune`` removes them).
@@ -15,8 +16,8 @@ gets a new ctime whatever its mtime says. The key is stored in full and compared
 that is unreadable, malformed, too large, of another format or for another key is ignored with a
 note and measured again, never trusted and never fatal. JSON only, no pickle.
 
-Standard library and bundle/ only (the versions in the key are read from the packages the export
-has already imported).
+Standard library, bundle/ and export/tune.py only (the versions in the key are read from the
+packages the export has already imported).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import Any, Callable
 
 from ..bundle.extra import BlockCandidate, MachineFingerprint
 from ..errors import ManifestError
+from .tune import Measurements
 
 FOLDER = "tune"  # under the cache folder
 FORMAT = 1  # the file's layout; a file of another format is ignored (measured again)
-# A saved file holds a key and a few candidates: about 2 KB. Anything far larger is not one of ours,
-# and is not read into memory.
+# A saved file holds a key, the fp32 references (5 x 64 token ids) and a few candidates: about 4 KB.
+# Anything far larger is not one of ours, and is not read into memory.
 MAX_BYTES = 1 << 16
 _LABEL_CHARS = 48  # of the source's name in the file name (the digest makes the name unique)
 
@@ -111,24 +113,27 @@ class SavedTuning:
         root = cache_dir() if cache is None else cache
         return cls(root / FOLDER / f"{name}-{key.role}-{key.digest()[:16]}.json", key)
 
-    def load(self, note: Callable[[str], None]) -> dict[int, BlockCandidate]:
-        """The saved measurements by block size; {} when there are none or the file cannot be trusted
+    def load(self, note: Callable[[str], None]) -> Measurements:
+        """What was saved; nothing (an empty Measurements) when there is no file or it cannot be trusted
         (``note`` says why)."""
         try:
             if self.path.stat().st_size > MAX_BYTES:
                 return self._ignored(note, f"larger than {MAX_BYTES} bytes")
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            return {}
+            return Measurements()
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             return self._ignored(note, f"unreadable ({type(exc).__name__})")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             return self._ignored(note, f"not a format-{FORMAT} tuning file")
         if data.get("key") != self.key.to_dict():
             return self._ignored(note, "measured for another source, export option, machine or version")
-        raw = data.get("candidates")
+        raw, references = data.get("candidates"), data.get("references", [])  # none yet: measured again
         if not isinstance(raw, list):
             return self._ignored(note, "no candidate list")
+        if not isinstance(references, list) or not all(
+                isinstance(r, list) and all(type(t) is int and t >= 0 for t in r) for r in references):
+            return self._ignored(note, "the fp32 references are not lists of token ids")
         measured: dict[int, BlockCandidate] = {}
         try:
             for i, item in enumerate(raw):
@@ -138,13 +143,13 @@ class SavedTuning:
                 measured[candidate.block_size] = candidate
         except (ManifestError, TypeError, ValueError) as exc:  # the schema's readers raise the first
             return self._ignored(note, str(exc).replace("manifest field", "field"))
-        return measured
+        return Measurements(tuple(tuple(r) for r in references), measured)
 
-    def save(self, measured: dict[int, BlockCandidate], note: Callable[[str], None]) -> None:
-        """Write ``measured`` (every measurement so far) in place of the file, atomically: a reader, or a
+    def save(self, measured: Measurements, note: Callable[[str], None]) -> None:
+        """Write ``measured`` (everything measured so far) in place of the file, atomically: a reader, or a
         run killed mid-write, sees the old file or the new one. A failure to write is a note, not an error."""
-        data = {"format": FORMAT, "key": self.key.to_dict(),
-                "candidates": [measured[b].to_dict() for b in sorted(measured)]}
+        data = {"format": FORMAT, "key": self.key.to_dict(), "references": [list(r) for r in measured.references],
+                "candidates": [measured.candidates[b].to_dict() for b in sorted(measured.candidates)]}
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +177,6 @@ class SavedTuning:
             if is_stale(path, pid_after(path.name, prefix)):
                 path.unlink(missing_ok=True)
 
-    def _ignored(self, note: Callable[[str], None], why: str) -> dict[int, BlockCandidate]:
+    def _ignored(self, note: Callable[[str], None], why: str) -> Measurements:
         note(f"tune: ignoring the saved measurements in {self.path}: {why}; measuring again")
-        return {}
+        return Measurements()

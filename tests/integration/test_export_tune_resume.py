@@ -3,8 +3,9 @@ random-weight llama:
 
 - a Ctrl-C after the first block was measured still writes a bundle, quantized at a measured block,
   whose record says the tuning stopped and lists only the measured blocks;
-- the same export run again measures only the blocks still missing (the saved ones are not measured
-  again), and once everything is saved it measures nothing and quantizes only the chosen block;
+- the same export run again measures only the blocks still missing (the saved ones, and the fp32
+  reference, are not measured again), and once everything is saved it measures nothing and quantizes
+  only the chosen block;
 - a corrupt saved file is ignored with a note and everything is measured again;
 - a Ctrl-C before block 32 was measured keeps block 32, untuned;
 - a second Ctrl-C aborts the export as before (no bundle, no leftovers), and what was measured stays saved.
@@ -82,9 +83,13 @@ def test_a_stopped_tuning_ships_what_was_measured_and_the_same_export_resumes(ti
     assert "(the only block measured)" in line and "tuning was stopped (Ctrl-C) after block 32" in line
 
     measure = Measure(monkeypatch)
+    references = []
+    real_references = tune.greedy_references
+    monkeypatch.setattr(tune, "greedy_references", lambda *a: references.append(1) or real_references(*a))
     resumed = _tuning(_export(model, tmp_path / "resumed"))
-    assert measure.blocks == [64, 128]  # block 32's saved measurement is not taken again
-    assert "reusing the saved measurements of block 32" in capsys.readouterr().err
+    assert measure.blocks == [64, 128] and references == []  # block 32 and the fp32 reference are not taken again
+    err = capsys.readouterr().err
+    assert "reusing the saved measurements of block 32" in err and "reusing the saved fp32 greedy reference" in err
     assert not resumed.stopped and [c.block_size for c in resumed.candidates] == list(tune.CANDIDATE_BLOCKS)
     assert resumed.candidate(32) == stopped.candidate(32)
     assert all(c.default_step_ms is not None for c in resumed.candidates if c.block_size != 32)
