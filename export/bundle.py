@@ -7,7 +7,6 @@ never leaves a half bundle behind.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import shutil
@@ -28,6 +27,7 @@ from ..bundle.manifest import (ATTENTIONS, MAX_CONTEXT, MAX_DRAFT_TOKENS, PRECIS
 from ..runtime.drafters import DEFAULT_DRAFTER
 from ..runtime.loading import load_codec
 from .leftovers import is_stale, pid_after
+from .release import release_memory
 from .mixquant import DEFAULT_MIX, MIXES
 from .tokenizer_parity import added_bos, check_parity, source_tokenizer
 
@@ -230,6 +230,7 @@ class _ModelExporter:
                 self.loaded.model, src_entry, src_graph, relative_tolerance=FP32_RELATIVE_TOLERANCE, **check)
         else:
             self._validate_first_layers(role, layered, spec, weights, source, head_file, check)
+        release_memory()  # the validation's sessions and reference logits, before the quantized graph is built
         bits = 4 if precision == "int4" else 8
         gguf = self._gguf_to_keep(precision)
         if gguf is not None:
@@ -263,9 +264,9 @@ class _ModelExporter:
             self.reports[f"{role}:{precision}-vs-source"] = compare_with_source(
                 self.loaded.model, entry, graph, layers=layers, head_ids=head_ids)
         self.progress(f"{role}: measuring verify rows against single steps (batch variance)")
-        gc.collect()  # an ORT session is freed by the collector (reference cycles): one session at a time
+        release_memory()  # an ORT session is freed by the collector (reference cycles): one session at a time
         self.batch_variance[role] = batch_variance(entry, graph)
-        gc.collect()
+        release_memory()
         shutil.rmtree(scratch)
         return entry
 
@@ -554,6 +555,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
         progress.note(f"tokenizer parity with the source: {parity.texts} texts, {parity.conversations} "
                       f"conversations (add_bos_token={str(parity.add_bos_token).lower()})")
         del reference
+        release_memory()  # a GGUF's conversion and the tokenizers' parity run leave freed heap behind
         target_vocab = target_loaded.tokenizer.get_vocab()
         progress(f"building + validating target graph ({config.precision})")
         target_exp = _ModelExporter(tmp, target_loaded, config, tokenizer.sha256, progress.note)
@@ -572,7 +574,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
 
         progress.note("target: checking that plain steps equal verify rows on this machine")
         exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
-        gc.collect()  # that check's session, before the next one opens
+        release_memory()  # that check's session, before the next one opens
         if not exact["target"].bit_identical and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
                   "a verify row, so exact mode (--exact) will refuse this bundle; fast mode runs it as usual",
@@ -600,7 +602,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                                  target_loaded.source, progress.note)
         converted = target_loaded.scratch
         del target_exp, target_loaded
-        gc.collect()
+        release_memory()
         if converted is not None:  # the float32 copy of a GGUF (not --keep-converted): done with it
             shutil.rmtree(converted)
         if config.draft is not None and not self_draft:
@@ -628,7 +630,7 @@ def export_bundle(config: ExportConfig) -> Manifest:
                 unknown["draft"] = tuple(draft_exp.features.unknown_fields)
             converted = draft_loaded.scratch
             del draft_exp, draft_loaded
-            gc.collect()
+            release_memory()
             if converted is not None:
                 shutil.rmtree(converted)
         progress("writing manifest")

@@ -46,7 +46,6 @@ the export's own 15-round tuning, at equal agreement with its fp32 graph (0.863 
 
 from __future__ import annotations
 
-import gc
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,7 @@ import numpy as np
 from ..bundle.extra import BlockCandidate, MachineFingerprint, QuantTuning
 from ..errors import InvalidParameterError
 from ..bundle.manifest import ModelEntry
+from .release import release_memory
 
 # MatMulNBits block sizes. 32 is the default export's (and ONNX Runtime GenAI's); 16 is not tried: it
 # reads twice block 32's scales per weight, and the rule keeps a block only if it steps faster than 32.
@@ -283,7 +283,7 @@ def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidat
             if references is None:
                 progress("tune: fp32 greedy reference")
                 references = greedy_references(reference_entry, reference_graph, prompts)
-                gc.collect()  # the fp32 session (4 bytes a parameter) is freed by the collector, before quantizing
+                release_memory()  # the fp32 session (4 bytes a parameter) is freed by the collector, before quantizing
                 on_measured(_so_far(references, measured))
             else:
                 progress("tune: reusing the saved fp32 greedy reference (an earlier run of this export)")
@@ -296,7 +296,7 @@ def tune_block_size(blocks: tuple[int, ...], quantized: Callable[[int], Candidat
                 measured[block] = measure_candidate(candidate, prompts, references, default=default,
                                                     max_verify=max_verify, threads=threads, exact_role=exact_role)
                 on_measured(_so_far(references, measured))
-                gc.collect()  # and its sessions before the next candidate's
+                release_memory()  # and its sessions before the next candidate's
         except KeyboardInterrupt:
             stopped = True
             done = ", ".join(str(b) for b in order if b in measured) or "none"
