@@ -82,6 +82,7 @@ def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Cal
     from ..engines.ort import OrtEngine
     from ..errors import InvalidParameterError
     from ..quality.evaluate import EXPORT_MAX_TOKENS, builtin_texts, engine_scorer, plan_eval, run_eval
+    from .release import release_memory
 
     try:
         plan = plan_eval(builtin_texts(), codec, max_context=entry.max_context, max_tokens=EXPORT_MAX_TOKENS)
@@ -96,6 +97,7 @@ def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Cal
     for chunks in plan.kinds.values():
         for ids in chunks:
             scored[np.asarray(ids, np.int64).tobytes()] = source_scorer(ids)
+    release_memory()  # the streamed modules' weights the source's forwards read, before the session loads
     record = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())),
                       lambda ids: scored[np.asarray(ids, np.int64).tobytes()], source_name=source)
     s = record.overall

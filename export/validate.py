@@ -23,6 +23,7 @@ from ..engines.base import EngineOptions
 from ..engines.ort import OrtEngine
 from ..errors import ExportValidationError
 from ..bundle.manifest import ModelEntry
+from .release import release_memory
 
 if TYPE_CHECKING:
     from .graph import DecoderSpec
@@ -293,6 +294,7 @@ def compare_with_source(model: Any, entry: ModelEntry, graph: Path, *, n_tokens:
     reference = _torch_logits(model, ids, layers)
     if head_ids is not None:
         reference = reference[:, head_ids]
+    release_memory()  # what the source's forward freed (a streamed module's weights), before the session loads
     engine = OrtEngine(entry, graph, EngineOptions())
     got = engine.forward(ids, engine.new_cache(), num_logits=n_tokens).copy()
     if not np.isfinite(got).all():
