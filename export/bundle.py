@@ -241,7 +241,8 @@ class _ModelExporter:
             self.progress(f"{role}: writing the graph with the GGUF's own quantization")
             files, self.gguf_import[role] = import_gguf(
                 src_graph, graph, gguf, self.weights, n_layers=spec.n_layers, n_heads=spec.n_heads,
-                n_kv_heads=spec.n_kv_heads, accuracy_level=cfg.accuracy_level, head_ids=head_ids, note=self.progress)
+                n_kv_heads=spec.n_kv_heads, accuracy_level=cfg.accuracy_level, head_ids=head_ids, note=self.progress,
+                progress=self._eta(f"{role}: writing the GGUF's blocks", 1, "weights").update)
         elif tune_block_size:
             files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
                                              head_file)
@@ -599,7 +600,8 @@ def export_bundle(config: ExportConfig) -> Manifest:
 
         progress.note("target: scoring built-in text against the source (export quality)")
         quality = export_quality(tmp / target.graph, target, load_codec(tmp, tokenizer), target_loaded.model,
-                                 target_loaded.source, progress.note)
+                                 target_loaded.source, progress.note,
+                                 progress=target_exp._eta("target: export quality", 1, "chunks").update)
         converted = target_loaded.scratch
         del target_exp, target_loaded
         release_memory()

@@ -113,9 +113,9 @@ class _ShardWriter:
 
 def convert_gguf(path: Path, folder: Path, *, progress: Callable[[int, int], None] = lambda done, total: None) -> None:
     """Write ``path`` (a GGUF file) into the empty ``folder`` as an HF float32 safetensors folder with its
-    config, generation config and tokenizer; ``progress(done, total)`` after each tensor. Raises
-    NotStreamable for a family transformers must convert whole, or what transformers raises for a file
-    it cannot read."""
+    config, generation config and tokenizer; ``progress(done, total)`` before the first tensor and after
+    each. Raises NotStreamable for a family transformers must convert whole, or what transformers raises
+    for a file it cannot read."""
     import torch
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -137,6 +137,7 @@ def convert_gguf(path: Path, folder: Path, *, progress: Callable[[int, int], Non
     parsed["tensors"] = {}
     writer = _ShardWriter(folder)
     total = len(reader.tensors)
+    progress(0, total)  # the tensors start now (reading the metadata and building the meta model came first)
     for done, tensor in enumerate(reader.tensors, 1):
         result = processor.process(weights=_dequantized(tensor, path), name=tensor.name,
                                    tensor_key_mapping=mapping, parsed_parameters=parsed)

@@ -384,13 +384,15 @@ def _fused_forms(tensors: GgufTensors, names: list[str], reference: np.ndarray, 
 
 def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.ndarray], *, n_layers: int,
                 n_heads: int, n_kv_heads: int, accuracy_level: int, head_ids: np.ndarray | None = None,
-                note: Callable[[str], None] = lambda _: None) -> tuple[list[Path], dict[str, KeptTensor]]:
+                note: Callable[[str], None] = lambda _: None,
+                progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[list[Path], dict[str, KeptTensor]]:
     """Rewrite the validated fp32 graph ``src`` into ``dst`` (+ .data) with the file's own blocks.
 
     ``weights``: the model's canonical fp32 weights ([in, out] for linears, [vocab, hidden] for
     ``embed``; ``lm_head`` absent when tied), the reference each form must reproduce; for a
     vocabulary-truncated draft, the full ones, and ``head_ids`` the output rows its head keeps. Returns the files
-    written and, per graph weight (MatMul B or the embedding), what was kept.
+    written and, per graph weight (MatMul B or the embedding), what was kept. ``progress(done, total)``
+    after each weight a GGUF tensor maps to.
     """
     import onnx
     from onnx import helper
@@ -531,12 +533,20 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     sums: dict[tuple[str, int], str] = {}
     embed_inits: tuple[str, str | None] | None = None
     id_rank = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input}
+    def weight_of(node) -> str | None:
+        """The graph weight a node reads that a GGUF tensor may hold (MatMul B, the embedding), or None."""
+        key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
+        return key if key is not None and key in inits and (key == "embed" or key in candidates) else None
+
+    total, done = sum(weight_of(n) is not None for n in graph.node), 0
     try:
         for node in graph.node:
-            key = node.input[0] if node.op_type == "Gather" else node.input[1] if node.op_type == "MatMul" else None
-            if key is None or key not in inits or (key != "embed" and key not in candidates):
+            key = weight_of(node)
+            if key is None:
                 new_nodes.append(node)
                 continue
+            progress(done, total)  # the weights finished before this one
+            done += 1
             parts, kept = choose(key)
             if key == "embed":  # a tied head may read its blocks; no other weight's forms are kept
                 parts_of[key] = parts
@@ -572,6 +582,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
                 matmul(f"{key}.part{i}", node.input[0], f"{key}.gguf_part{i}", form, None, None)
             new_nodes.append(helper.make_node("Concat", [f"{key}.gguf_part{i}" for i in range(len(parts))],
                                               [node.output[0]], name=f"{key}.gguf_concat", axis=-1))
+        progress(total, total)
         read = {name for n in new_nodes for name in n.input}  # an initializer another node still reads stays
         # the weights kept float are copied into dst's data file in chunks, never read whole
         kept_inits = [out.copy(t, src.parent) for t in graph.initializer if t.name not in dropped or t.name in read]

@@ -117,9 +117,15 @@ def _convert(path: Path, folder: Path, quiet: bool) -> None:
     from .gguf_convert import NotStreamable, convert_gguf
     from .progress import Eta
 
-    eta = Eta(f"dequantizing {path.name}", 1, "tensors", lambda line: None if quiet else _log(line.strip(), quiet))
+    eta: list[Eta] = []
+
+    def progress(done: int, total: int) -> None:
+        if not eta:  # the clock starts at the first tensor, not while transformers reads the metadata
+            eta.append(Eta(f"dequantizing {path.name}", total, "tensors", lambda line: _log(line.strip(), quiet)))
+        eta[0].update(done, total)
+
     try:
-        convert_gguf(path, folder, progress=eta.update)
+        convert_gguf(path, folder, progress=progress)
         return
     except NotStreamable as exc:
         _log(f"{exc}: converting the whole model at once", quiet)

@@ -74,10 +74,12 @@ def load_scorer(recorded: str, override: str | None = None, *,
     return torch_scorer(loaded.model), loaded.source, ""
 
 
-def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Callable[[str], None]):
+def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Callable[[str], None],
+                   progress: Callable[[int, int], None] = lambda done, total: None):
     """The short ``specedge eval`` export records: EXPORT_MAX_TOKENS of each built-in kind, the
     written ``graph`` (ModelEntry ``entry``) against the already loaded HF ``model``. Returns a
-    QualityRecord, or None when the tokenizer leaves a text nothing to predict."""
+    QualityRecord, or None when the tokenizer leaves a text nothing to predict. ``progress(done,
+    total)`` after each chunk scored (by the source, then by the bundle)."""
     from ..engines.base import EngineOptions
     from ..engines.ort import OrtEngine
     from ..errors import InvalidParameterError
@@ -94,12 +96,21 @@ def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Cal
     # holds a module's weights next to the session's. The numbers are the same as scoring in turn.
     scored = {}
     source_scorer = torch_scorer(model)
+    total = 2 * sum(len(chunks) for chunks in plan.kinds.values())
     for chunks in plan.kinds.values():
         for ids in chunks:
             scored[np.asarray(ids, np.int64).tobytes()] = source_scorer(ids)
+            progress(len(scored), total)
     release_memory()  # the streamed modules' weights the source's forwards read, before the session loads
+    done = [len(scored)]
+
+    def bundle_chunk(kind: str, positions: int) -> None:
+        done[0] += 1
+        progress(done[0], total)
+
     record = run_eval(plan, engine_scorer(OrtEngine(entry, graph, EngineOptions())),
-                      lambda ids: scored[np.asarray(ids, np.int64).tobytes()], source_name=source)
+                      lambda ids: scored[np.asarray(ids, np.int64).tobytes()], source_name=source,
+                      on_chunk=bundle_chunk)
     s = record.overall
     note(f"quality on {s.positions} tokens of built-in text: perplexity {s.perplexity:.3f} vs source "
          f"{s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement {s.top1_agreement:.3f}")

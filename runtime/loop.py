@@ -48,7 +48,7 @@ from .verify import NEAR_TIE_GAP, Proposal, verify
 # preemptive request on an interim transcript is cut 150-400 ms in, often inside a cold prefill, and
 # the final request then computes only what the cut one had not. Every prefill (generate, stream,
 # prefill-ahead, a reused prefix's rest) is split by this one rule. The size: a 512-token prefill in
-# chunks of 128 took 0.93x (SmolLM2-135M int4) and 1.01x (Qwen2.5-Coder-1.5B int4, GGUF blocks) the time
+# chunks of 128 took 0.93x (SmolLM2-135M fp32) and 1.01x (Qwen2.5-Coder-1.5B int4, GGUF blocks) the time
 # of one forward, chunks of 64 1.07x and 1.04x, with bit-identical logits (2-core Xeon with AMX, quiet;
 # docs/results/2026-12-06-export-memory-2.md). A chunk is ~70 ms of SmolLM2's prefill there, ~1.5 s of Qwen's.
 PREFILL_CHUNK = 128
