@@ -397,7 +397,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     import onnx
     from onnx import helper
 
-    from .rtn import _DataFile
+    from .rtn import DataFile
 
     tensors = GgufTensors(gguf_path)
     candidates = source_names(tensors.arch, n_layers)
@@ -411,7 +411,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     # Each initializer goes to the data file as it is made (as export/rtn.py writes quantized weights):
     # memory holds one weight's forms at a time, not the whole quantized model in ONNX protos.
     data_path = dst.with_name(dst.name + ".data")
-    out = _DataFile(data_path)
+    out = DataFile(data_path)
 
     def reference(key: str) -> np.ndarray:
         if key == "embed":

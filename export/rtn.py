@@ -38,7 +38,7 @@ _GATHER_ROWS = 8192  # embedding rows quantized at once (8192 x 4096 fp32 = 128 
 _COPY_CHUNK = 64 << 20
 
 
-class _DataFile:
+class DataFile:
     """Appends tensors to one external data file; returns TensorProtos that point into it."""
 
     def __init__(self, path: Path) -> None:
@@ -145,7 +145,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
             blocks = quantize(np.ascontiguousarray(b.T), form)
             return form, blocks.packed(), blocks.scales, None if form.symmetric else blocks.packed_zero_points()
 
-        def planned_gather(node, table, out: _DataFile, new_inits: dict):
+        def planned_gather(node, table, out: DataFile, new_inits: dict):
             return _planned_gather(node, table, plan(table.name), src.parent, out, new_inits)
 
         return _rewrite(src, dst, matmul=planned_matmul, gather=planned_gather if quantize_embeddings else None,
@@ -166,7 +166,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
         packed, scales, zero_points = quantizer.qbits_block_quant(b)
         return form, packed, scales, None if symmetric else zero_points
 
-    def ort_gather(node, table, out: _DataFile, new_inits: dict):
+    def ort_gather(node, table, out: DataFile, new_inits: dict):
         return _quantize_gather(node, table, src.parent, out, new_inits, block_size, symmetric), form
 
     # int4 tensors (the Gather's) need opset 21 and IR 10, as ORT's quantizer sets them
@@ -192,7 +192,7 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
     src_dir = src.parent
     inits = {t.name: t for t in graph.initializer}
     data_path = dst.with_name(dst.name + ".data")
-    out = _DataFile(data_path)
+    out = DataFile(data_path)
     new_inits: dict[str, TensorProto] = {}
     new_nodes = []
 
@@ -269,7 +269,7 @@ def _legacy_form(bits: int, block_size: int, symmetric: bool) -> "TensorQuant":
     return TensorQuant(bits, block_size, symmetric, search=False)
 
 
-def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict, block_size: int, symmetric: bool):
+def _quantize_gather(node, table, src_dir: Path, out: DataFile, new_inits: dict, block_size: int, symmetric: bool):
     """GatherBlockQuantized over ``table`` quantized along its last axis, in row chunks (rows are independent)."""
     from onnx import TensorProto, helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
@@ -307,7 +307,7 @@ def _quantize_gather(node, table, src_dir: Path, out: _DataFile, new_inits: dict
                             gather_axis=axis, quantize_axis=1, block_size=block_size)
 
 
-def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: _DataFile, new_inits: dict):
+def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: DataFile, new_inits: dict):
     """GatherBlockQuantized over ``table`` [vocab, hidden] in ``form`` (uint8 data, ``bits`` 4 or 8), in row
     chunks; returns the node and the form written."""
     from onnx import TensorProto, helper
