@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from .gguf_import import GgufTensors
+
 # A shard is written once it holds this many bytes; memory then holds at most one shard's arrays plus
 # the tensor being converted (a tensor larger than this gets a shard of its own).
 SHARD_BYTES = 512 << 20
@@ -41,26 +43,20 @@ class NotStreamable(Exception):
     """The file's architecture needs transformers' whole-model conversion (reason in the message)."""
 
 
-def _read(tensor, path: Path) -> np.ndarray:
-    """The tensor's raw data as ``tensor.data`` holds it (same dtype and shape), read from the file."""
-    like = tensor.data  # a view of the reader's memory map: its dtype and shape, no page is touched
-    raw = np.fromfile(path, dtype=like.dtype, count=int(like.size), offset=int(tensor.data_offset))
-    return raw.reshape(like.shape)
-
-
-def _dequantized(tensor, path: Path) -> np.ndarray:
-    """float32 values of a GGUF tensor, shaped as ``gguf.dequantize(tensor.data, ...)`` returns them."""
+def _dequantized(tensors, name: str) -> np.ndarray:
+    """float32 values of GGUF tensor ``name`` of ``tensors`` (export/gguf_import.py GgufTensors), shaped
+    as ``gguf.dequantize(tensor.data, ...)`` returns them, ``_DEQUANT_ROWS`` rows at a time."""
     from gguf import dequantize
 
-    raw = _read(tensor, path)
+    raw, kind = tensors.raw(name), tensors.tensors[name].tensor_type
     if raw.ndim < 2 or raw.shape[0] <= _DEQUANT_ROWS:
-        return np.asarray(dequantize(raw, tensor.tensor_type), np.float32)
-    first = np.asarray(dequantize(raw[:_DEQUANT_ROWS], tensor.tensor_type), np.float32)
-    out = np.empty((raw.shape[0], *first.shape[1:]), np.float32)
-    out[:_DEQUANT_ROWS] = first
-    for start in range(_DEQUANT_ROWS, raw.shape[0], _DEQUANT_ROWS):
-        stop = min(start + _DEQUANT_ROWS, raw.shape[0])
-        out[start:stop] = dequantize(raw[start:stop], tensor.tensor_type)
+        return np.asarray(dequantize(raw, kind), np.float32)
+    out = None
+    for start in range(0, raw.shape[0], _DEQUANT_ROWS):
+        part = dequantize(raw[start:start + _DEQUANT_ROWS], kind)
+        if out is None:
+            out = np.empty((raw.shape[0], *part.shape[1:]), np.float32)
+        out[start:start + len(part)] = part
     return out
 
 
@@ -117,7 +113,6 @@ def convert_gguf(path: Path, folder: Path, *, progress: Callable[[int, int], Non
     each. Raises NotStreamable for a family transformers must convert whole, or what transformers raises
     for a file it cannot read."""
     import torch
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint)
@@ -130,16 +125,15 @@ def convert_gguf(path: Path, folder: Path, *, progress: Callable[[int, int], Non
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    tensors = GgufTensors(path)
+    processor = TENSOR_PROCESSORS.get(tensors.arch, TensorProcessor)(config=parsed["config"])
     mapping = get_gguf_hf_weights_map(model, processor)
     parsed["tensors"] = {}
     writer = _ShardWriter(folder)
-    total = len(reader.tensors)
+    total = len(tensors.tensors)
     progress(0, total)  # the tensors start now (reading the metadata and building the meta model came first)
-    for done, tensor in enumerate(reader.tensors, 1):
-        result = processor.process(weights=_dequantized(tensor, path), name=tensor.name,
+    for done, name in enumerate(tensors.tensors, 1):
+        result = processor.process(weights=_dequantized(tensors, name), name=name,
                                    tensor_key_mapping=mapping, parsed_parameters=parsed)
         if parsed["tensors"]:
             raise NotStreamable(f"transformers' {type(processor).__name__} merges tensors across the file")

@@ -262,13 +262,19 @@ class GgufTensors:
     def kind(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's data as the reader's ``tensor.data`` holds it (same dtype and shape), read from the
+        file: not the reader's memory map, whose pages once touched stay in the process's RSS while the
+        map lives, so the whole file would end up counted in the export's peak."""
+        t = self.tensors[name]
+        like = t.data  # a view of the memory map: its dtype and shape, no page is touched
+        return np.fromfile(self.path, dtype=like.dtype, count=int(like.size),
+                           offset=int(t.data_offset)).reshape(like.shape)
+
     def form(self, name: str) -> BlockForm | None:
         t = self.tensors[name]
         rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-        # Read, not the reader's memory map: mapped pages once touched stay in the process's RSS while
-        # the map lives, so the whole file would end up counted in the export's peak.
-        raw = np.fromfile(self.path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
-        return _decode_rows(t.tensor_type.name, raw.reshape(rows, -1))
+        return _decode_rows(t.tensor_type.name, self.raw(name).view(np.uint8).reshape(rows, -1))
 
 
 def source_names(arch: str, n_layers: int) -> dict[str, list[list[str]]]:
