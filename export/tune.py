@@ -86,7 +86,7 @@ MAX_PROMPT_TOKENS = 192
 # The measurement's settings, in the key of saved measurements (export/tune_saved.py TuneKey.method): a
 # measurement taken with other settings is not reused.
 METHOD = (f"steps at {TIMING_CONTEXT} positions, {TIMING_REPS} rounds beside the finest block, "
-          f"{VERIFY_TOKENS}-token verify, {CONTINUATION_TOKENS}-token greedy continuations")
+          f"{VERIFY_TOKENS}-token verify, {CONTINUATION_TOKENS}-token greedy continuations as token ids")
 # Fixed calibration prompts: prose, an instruction, code, a voice-agent turn, a tool call. Plain text
 # (no chat template), so every tokenizer reads them the same way.
 CALIBRATION_TEXTS = (
@@ -144,20 +144,36 @@ def calibration_prompts(encode: Callable[[str], list[int]], vocab_size: int, max
     return prompts
 
 
+def column_tokens(entry: ModelEntry, graph: Path) -> np.ndarray | None:
+    """The token id of each logit column of ``graph``: a vocabulary-truncated head's ids (``--draft-vocab``;
+    ``entry.head_tokens`` is relative to the folder ``entry.graph`` is relative to), or None where the
+    column is the token id."""
+    from ..bundle.manifest import load_head_tokens
+
+    if not entry.head_tokens:
+        return None
+    root = Path(graph)
+    for _ in Path(entry.graph).parts:
+        root = root.parent
+    return load_head_tokens(root, entry)
+
+
 def greedy_references(entry: ModelEntry, graph: Path, prompts: list[np.ndarray]) -> list[np.ndarray]:
-    """fp32 greedy continuations (int64 ``[continuation_tokens(max_context)]``) of each prompt, one
-    1-token step at a time."""
+    """fp32 greedy continuations (token ids, int64 ``[continuation_tokens(max_context)]``) of each prompt,
+    one 1-token step at a time."""
     from ..engines.ort import OrtEngine
 
     tokens = continuation_tokens(entry.max_context)
     engine = OrtEngine(entry, graph)
+    columns = column_tokens(entry, graph)
     out = []
     for prompt in prompts:
         kv = engine.new_cache()
         logits = engine.forward(prompt, kv)
         continuation = []
         for _ in range(tokens):
-            token = int(np.argmax(logits[-1]))
+            column = int(np.argmax(logits[-1]))
+            token = column if columns is None else int(columns[column])
             continuation.append(token)
             logits = engine.forward(np.asarray([token], np.int64), kv)
         out.append(np.asarray(continuation, np.int64))
@@ -170,12 +186,14 @@ def greedy_agreement(entry: ModelEntry, graph: Path, prompts: list[np.ndarray],
     from ..engines.ort import OrtEngine
 
     engine = OrtEngine(entry, graph)
+    columns = column_tokens(entry, graph)
     hits = total = 0
     for prompt, reference in zip(prompts, references):
         ids = np.concatenate([prompt, reference[:-1]])
         # Row j predicts the token after ids[len(prompt) - 1 + j], i.e. reference[j].
         logits = engine.forward(ids, engine.new_cache(), num_logits=len(reference))
-        hits += int((logits.argmax(-1) == reference).sum())
+        predicted = logits.argmax(-1)
+        hits += int(((predicted if columns is None else columns[predicted]) == reference).sum())
         total += len(reference)
     return hits / total
 

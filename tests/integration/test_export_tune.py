@@ -126,3 +126,33 @@ def test_tuning_fits_a_small_context(tiny_model, export):
     bundle = export(tiny_model("llama"), precision="int4", tune_block_size=True, max_context=32)
     tuning = load_manifest(bundle).extra.quant_tuning["target"]
     assert tuning.positions == 5 * 16  # five calibration prompts, half the context each
+
+
+def test_greedy_references_of_a_truncated_head_are_token_ids(tiny_model, export, tmp_path):
+    """A --draft-vocab head's logit columns are not token ids: the tuning's references map each argmax column
+    through the head's ids before feeding it back (and agreement compares token ids)."""
+    import shutil
+
+    import numpy as np
+
+    from specedge.engines.ort import OrtEngine
+    from specedge.export.tune import greedy_agreement, greedy_references
+
+    bundle = tmp_path / "b"
+    shutil.copytree(export(tiny_model("llama"), draft="self-int4", precision="int4", draft_vocab=64), bundle)
+    entry = load_manifest(bundle, verify_checksums=False).draft
+    # columns -> token ids that differ from the column numbers, as a real tokenizer's head ids do
+    ids = np.sort(np.random.default_rng(0).choice(np.arange(3, 300), entry.head_size, replace=False)).astype("<i4")
+    ids.tofile(bundle / entry.head_tokens)
+    graph = bundle / entry.graph
+    prompts = [np.array(PROMPT_IDS, np.int64)]
+    [reference] = greedy_references(entry, graph, prompts)
+    assert set(reference.tolist()) <= set(ids.tolist())
+    engine, kv, expected = OrtEngine(entry, graph), None, []
+    kv = engine.new_cache()
+    logits = engine.forward(prompts[0], kv)
+    for _ in range(len(reference)):
+        expected.append(int(ids[int(np.argmax(logits[-1]))]))
+        logits = engine.forward(np.array([expected[-1]], np.int64), kv)
+    assert reference.tolist() == expected
+    assert greedy_agreement(entry, graph, prompts, [reference]) == 1.0
