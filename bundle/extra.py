@@ -321,8 +321,11 @@ class QuantizedTensor:
 
     ``bits``: 4 or 8; ``block_size``: input-axis elements per scale; ``symmetric``: no zero points
     (else uint8 zero points, ``bits`` wide, one per block); ``method``: "rtn" (each block's min/max
-    range) or "search" (each block's scale and zero point chosen for the least squared error);
-    ``elements``: the weight's element count (bits per weight are computed from it).
+    range), "search" (each block's scale and zero point chosen for the least squared error) or
+    "imatrix" (that error weighted by the input channels' activation importance, export/importance.py);
+    ``elements``: the weight's element count (bits per weight are computed from it); ``shares``: the
+    weight whose integers this one reads instead of storing its own ("embed" for a tied output layer,
+    export/rtn.py), or "" when it stores them.
     """
 
     bits: int
@@ -330,19 +333,23 @@ class QuantizedTensor:
     symmetric: bool
     method: str
     elements: int
+    shares: str = ""
 
-    METHODS = ("rtn", "search")
-    FIELDS = ("bits", "block_size", "symmetric", "method", "elements")
+    METHODS = ("rtn", "search", "imatrix")
+    FIELDS = ("bits", "block_size", "symmetric", "method", "elements", "shares")
 
     def bits_per_weight(self) -> float:
-        """Stored bits per element: integers, an fp32 scale per block, a ``bits``-wide zero point if asymmetric."""
-        return self.bits + (32 + (0 if self.symmetric else self.bits)) / self.block_size
+        """Stored bits per element: integers (none when ``shares``), an fp32 scale per block, a ``bits``-wide
+        zero point if asymmetric."""
+        return (0 if self.shares else self.bits) + (32 + (0 if self.symmetric else self.bits)) / self.block_size
 
     def describe(self) -> str:
-        return f"int{self.bits}/{self.block_size} {'sym' if self.symmetric else 'asym'} {self.method}"
+        shared = f", reads {self.shares}'s integers" if self.shares else ""
+        return f"int{self.bits}/{self.block_size} {'sym' if self.symmetric else 'asym'} {self.method}{shared}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.FIELDS}
+        # "shares" only when set: a manifest without shared weights stays readable by the specedge before it
+        return {k: getattr(self, k) for k in self.FIELDS if k != "shares" or self.shares}
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "QuantizedTensor":
@@ -362,7 +369,7 @@ class QuantizedTensor:
         if elements < 0:
             raise ManifestError(f"manifest field '{where}.elements' must be >= 0, got {elements}")
         return cls(bits=bits, block_size=block, symmetric=read_field(obj, "symmetric", where, bool), method=method,
-                   elements=elements)
+                   elements=elements, shares=read_field(obj, "shares", where, str, optional=True, default=""))
 
 
 @dataclass(frozen=True)

@@ -161,23 +161,36 @@ class OrtEngine:
 
     def forward(self, input_ids: np.ndarray, kv: KVCache, num_logits: int = 1) -> np.ndarray:
         """Run n new tokens; see :class:`specedge.engines.base.Engine`. Returns a view valid until the next call."""
-        n = int(input_ids.shape[0])
-        if n < 1:
-            raise InvalidParameterError("forward needs at least one token")
-        num_logits = max(1, min(num_logits, n))
-        kv.reserve(n)
-        start = kv.length
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, n)
-        positions = np.arange(start, start + n, dtype=np.int64).reshape(1, n)
-        keep = np.array([num_logits], np.int64)
+        ids, positions, keep, start, n = self._step_inputs(input_ids, kv, num_logits)
         if self.options.use_io_binding and self._device == "cpu":
-            logits = self._run_bound(ids, positions, keep, kv, start, n, num_logits)
+            logits = self._run_bound(ids, positions, keep, kv, start, n, int(keep[0]))
         else:
-            logits = self._run_plain(ids, positions, keep, kv, start, n)
+            logits = self._run_plain(ids, positions, keep, kv, start, n)[0]
         kv.length = start + n
         if start == 0:  # a sequence's first step (warm-up, prefill): corrupt weights surface here
             check_finite_logits(logits[0], self.entry.graph, self._bundle)
         return logits[0]
+
+    def outputs(self, input_ids: np.ndarray, kv: KVCache, names: list[str]) -> list[np.ndarray]:
+        """Run n new tokens as :meth:`forward` does (the cache advances) and return the graph outputs
+        ``names`` beside the logits: a graph given extra outputs for an export-time measurement
+        (export/importance.py reads each MatMul's input this way). Every position's logits are kept, so
+        the output layer's input covers every position too. No IO binding: fresh arrays."""
+        ids, positions, keep, start, n = self._step_inputs(input_ids, kv, len(input_ids))
+        outs = self._run_plain(ids, positions, keep, kv, start, n, extra=names)
+        kv.length = start + n
+        return outs[1:]
+
+    def _step_inputs(self, input_ids: np.ndarray, kv: KVCache, num_logits: int):
+        """(ids [1, n], positions [1, n], logits kept [1], cache start, n) for a forward of ``input_ids``."""
+        n = int(input_ids.shape[0])
+        if n < 1:
+            raise InvalidParameterError("forward needs at least one token")
+        kv.reserve(n)
+        start = kv.length
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, n)
+        positions = np.arange(start, start + n, dtype=np.int64).reshape(1, n)
+        return ids, positions, np.array([max(1, min(num_logits, n))], np.int64), start, n
 
     def _cache_binding(self, kv: KVCache):
         """The IO binding that holds ``kv``'s K/V buffers (GQA: full capacity, bound once per cache)."""
@@ -244,7 +257,9 @@ class OrtEngine:
                                        "the run") from None
             raise
 
-    def _run_plain(self, ids, positions, keep, kv: KVCache, start: int, n: int) -> np.ndarray:
+    def _run_plain(self, ids, positions, keep, kv: KVCache, start: int, n: int,
+                   extra: list[str] = ()) -> list[np.ndarray]:
+        """Run without IO binding; returns [logits, *the ``extra`` outputs]."""
         io = self.entry.io
         feed = {io.input_ids: ids, io.positions: positions, io.num_logits: keep}
         if self._gqa:
@@ -252,18 +267,18 @@ class OrtEngine:
             feed[io.total_sequence_length] = np.array(start + n, np.int32)
             for layer, (pk, pv) in enumerate(self._past_names):
                 feed[pk], feed[pv] = kv.keys[layer], kv.values[layer]
-            names = [io.logits] + [name for pair in self._new_names for name in pair]
+            names = [io.logits] + [name for pair in self._new_names for name in pair] + list(extra)
             outs = self._run(lambda options: self.session.run(names, feed, options))
             for layer in range(self.entry.n_layers):  # without binding ORT returns fresh copies
                 kv.keys[layer][...] = outs[1 + 2 * layer]
                 kv.values[layer][...] = outs[2 + 2 * layer]
-            return outs[0]
+            return [outs[0]] + outs[1 + 2 * self.entry.n_layers:]
         for layer, (pk, pv) in enumerate(self._past_names):
             feed[pk] = kv.keys[layer][:start]
             feed[pv] = kv.values[layer][:start]
-        names = [io.logits] + [name for pair in self._new_names for name in pair]
+        names = [io.logits] + [name for pair in self._new_names for name in pair] + list(extra)
         outs = self._run(lambda options: self.session.run(names, feed, options))
         for layer in range(self.entry.n_layers):
             kv.keys[layer][start:start + n] = outs[1 + 2 * layer]
             kv.values[layer][start:start + n] = outs[2 + 2 * layer]
-        return outs[0]
+        return [outs[0]] + outs[1 + 2 * self.entry.n_layers:]

@@ -248,13 +248,14 @@ class _ModelExporter:
                                              head_file)
         else:
             mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
+            importance = self._importance(role, bits, spec, src_entry, src_graph)
             self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size}, mix {mix})")
             chosen: dict = {}
             eta = self._eta(f"{role}: quantizing", 1, "weights")
             files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
                                                                  accuracy_level=cfg.accuracy_level),
                                    plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen,
-                                   progress=eta.update)
+                                   tied=spec.tied_embeddings, importance=importance, progress=eta.update)
             self.quantization[role] = _quant_record(mix, chosen)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         if layered is None:
@@ -279,6 +280,41 @@ class _ModelExporter:
         if bits != 4 or self.config.quant_mix == "rtn-sym4":
             return None
         return make_plan(self.config.quant_mix, n_layers, block)
+
+    def _importance(self, role: str, bits: int, spec, src_entry: ModelEntry, src_graph: Path) -> dict | None:
+        """Each weight's activation importance on the calibration texts (export/importance.py), when the mix
+        weighs its rounding by it; else None.
+
+        Measured on the fp32 graph where the export validates it whole (its session fits the same memory);
+        above that, on a round-to-nearest int4 copy (about an eighth of the fp32 session's memory), whose
+        activations carry int4 rounding: the channels' ranking, which the weighting needs, survives it."""
+        from .importance import activation_importance, calibration_ids
+        from .mixquant import IMATRIX
+        from .quantize import QuantConfig, quantize_graph
+
+        if self._plan(bits, 1, 32) is None or not self.config.quant_mix.endswith(IMATRIX):
+            return None
+        ids = calibration_ids(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
+                              src_entry.max_context)
+        probe_dir = src_graph.parent / "importance-probe"
+        probe = src_graph
+        if self._layered_validation(spec) is not None:
+            self.progress(f"{role}: an int4 copy to measure activation importance on (the fp32 graph is too big "
+                          "to run whole)")
+            shutil.rmtree(probe_dir, ignore_errors=True)
+            probe_dir.mkdir()
+            probe = quantize_graph(src_graph, probe_dir / src_graph.name, QuantConfig(bits=4, block_size=32),
+                                   progress=self._eta(f"{role}: the int4 copy", 1, "weights").update)[0]
+        self.progress(f"{role}: measuring activation importance on the calibration texts"
+                      f" ({sum(len(i) for i in ids)} tokens)")
+        try:
+            importance = activation_importance(
+                src_entry, probe, ids, weights_of=src_graph,
+                progress=self._eta(f"{role}: activation importance", 1, "chunks").update)
+        finally:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+        release_memory()  # the probe's session
+        return importance
 
     def _eta(self, what: str, total: int, unit: str):
         """An export/progress.py ``Eta`` printing to stderr (nothing when quiet)."""
@@ -375,12 +411,13 @@ class _ModelExporter:
                 written = quantize_graph(src_graph, folder / graph.name,
                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
                                          plan=self._plan(bits, spec.n_layers, block), chosen=forms,
-                                         progress=eta.update)
+                                         tied=spec.tied_embeddings, importance=importance, progress=eta.update)
                 entry = self._entry(role, written, source, precision, "float32", spec=spec, head_file=head_file)
                 files[block], chosen[block] = written, forms
                 candidates[block] = Candidate(block, entry, written[0])
             return candidates[block]
 
+        importance = self._importance(role, bits, spec, src_entry, src_graph)
         prompts = calibration_prompts(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                                       src_entry.max_context)
         origin = self.loaded.origin
@@ -438,10 +475,10 @@ class _ModelExporter:
 
 
 def _quant_record(mix: str, chosen: dict) -> QuantMix:
-    """The manifest's record of a quantized graph: weight name -> (TensorQuant, elements) as QuantizedTensor."""
-    return QuantMix(mix, {name: QuantizedTensor(form.bits, form.block, form.symmetric,
-                                                "search" if form.search else "rtn", elements)
-                          for name, (form, elements) in chosen.items()})
+    """The manifest's record of a quantized graph: weight name -> (TensorQuant, elements, shares) as
+    QuantizedTensor (export/rtn.py ``quantize_streaming``'s ``chosen``)."""
+    return QuantMix(mix, {name: QuantizedTensor(form.bits, form.block, form.symmetric, form.method, elements, shares)
+                          for name, (form, elements, shares) in chosen.items()})
 
 
 def draft_head_tokens(tokenizer, vocab_size: int, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:

@@ -38,6 +38,7 @@ from ..errors import InvalidParameterError
 # extremes, finer for the bulk). llama.cpp's make_qkx2_quants walks a similar window of about one level.
 SEARCH_STEPS = tuple(np.round(np.arange(-0.5, 2.01, 0.1), 2))
 _ROWS_PER_CHUNK = 1024  # output rows quantized at once (bounds the search's temporaries)
+IMPORTANCE_FLOOR = 0.01  # added to each channel's mean-normalised importance (_element_weights says why)
 
 # The token embedding's initializer name in our graphs (export/graph.py): the one constant-table lookup the
 # quantizers may quantize (the rotary cos/sin caches and learned position tables are gathered too, and stay
@@ -52,19 +53,29 @@ class TensorQuant:
     ``bits``: 4 or 8; ``block``: elements of the input axis per scale (a power of two >= 16);
     ``symmetric``: no zero points (4 bits: zp 8, 8 bits: zp 128, the kernels' defaults);
     ``search``: each block's scale (and zero point) minimises the block's squared error over
-    :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range.
+    :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range; ``weighted`` (with
+    ``search``): that error is weighted by each input channel's activation importance
+    (export/importance.py), llama.cpp's importance matrix.
     """
 
     bits: int
     block: int
     symmetric: bool
     search: bool = False
+    weighted: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise InvalidParameterError(f"bits must be 4 or 8; got {self.bits}")
         if self.block < 16 or self.block & (self.block - 1):
             raise InvalidParameterError(f"block must be a power of two >= 16; got {self.block}")
+        if self.weighted and not self.search:
+            raise InvalidParameterError("weighted rounding needs a searched form (search=True)")
+
+    @property
+    def method(self) -> str:
+        """The manifest's name for how blocks were chosen (bundle/extra.py QuantizedTensor.method)."""
+        return "imatrix" if self.weighted else "search" if self.search else "rtn"
 
     def bits_per_weight(self) -> float:
         """Stored bits per element: the integers, an fp32 scale per block, and a zero point per block
@@ -116,22 +127,48 @@ def pack_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(zero_points[:, 0::2] | (zero_points[:, 1::2] << 4))
 
 
-def quantize(weight: np.ndarray, form: TensorQuant) -> Blocks:
+def quantize(weight: np.ndarray, form: TensorQuant, importance: np.ndarray | None = None) -> Blocks:
     """``weight`` [N, K] float32 (rows are outputs) as blocks of ``form``; K is zero-padded to a multiple of
-    the block, as ONNX Runtime's quantizer pads it (``dequantize()`` then has the padded width)."""
+    the block, as ONNX Runtime's quantizer pads it (``dequantize()`` then has the padded width).
+
+    ``importance`` [K] (export/importance.py: the mean square of each input channel over calibration
+    tokens): a searched form then minimises each block's squared error weighted by it, so the channels
+    that carry the activations' energy are rounded finest. Unsearched forms ignore it.
+    """
     n, k = weight.shape
+    weights = None if importance is None or not form.search else _element_weights(importance, k)
     if k % form.block:
-        weight = np.pad(np.asarray(weight, np.float32), ((0, 0), (0, form.block - k % form.block)))
+        pad = form.block - k % form.block
+        weight = np.pad(np.asarray(weight, np.float32), ((0, 0), (0, pad)))
+        weights = None if weights is None else np.pad(weights, (0, pad))
         k = weight.shape[1]
+    if weights is not None:
+        weights = weights.reshape(k // form.block, form.block)
     parts = [_quantize_rows(np.asarray(weight[i:i + _ROWS_PER_CHUNK], np.float32).reshape(-1, k // form.block,
-                                                                                           form.block), form)
+                                                                                           form.block), form, weights)
              for i in range(0, n, _ROWS_PER_CHUNK)]
     return Blocks(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                   np.concatenate([p[2] for p in parts]), form.bits, form.symmetric)
 
 
-def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """w [n, blocks, block] -> (q uint8 [n, blocks, block], scales f32 [n, blocks], zero points uint8 [n, blocks])."""
+def _element_weights(importance: np.ndarray, k: int) -> np.ndarray:
+    """[K] float32 error weights from an importance vector: normalised to mean 1, plus a floor."""
+    importance = np.asarray(importance, np.float64).reshape(-1)
+    if importance.shape != (k,):
+        raise InvalidParameterError(f"importance has {importance.size} channels; the weight has {k}")
+    mean = importance.mean()
+    relative = importance / mean if mean > 0 else np.ones(k)
+    # The floor keeps a channel that was silent on the calibration text from being rounded arbitrarily
+    # (another text may use it): at 1% of the mean it never outweighs an active channel.
+    return (relative + IMPORTANCE_FLOOR).astype(np.float32)
+
+
+def _quantize_rows(w: np.ndarray, form: TensorQuant,
+                   weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [n, blocks, block] -> (q uint8 [n, blocks, block], scales f32 [n, blocks], zero points uint8 [n, blocks]).
+
+    ``weights`` [blocks, block] (searched forms only): each element's squared error counts this much."""
+    ew = np.ones(w.shape[1:], np.float32) if weights is None else weights
     top = (1 << form.bits) - 1
     if form.symmetric:
         # scale = absmax / (2**(bits-1) - 1): q - zp spans -(2**(bits-1)-1)..2**(bits-1)-1, never clips.
@@ -154,11 +191,12 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant) -> tuple[np.ndarray, np.nda
         d = q.astype(np.float32) - zp[..., None]
         if form.search:
             # least-squares scale with the integers fixed: argmin_s |w - s*d|^2 = <w,d>/<d,d>
-            dd = (d * d).sum(axis=-1)
-            s = np.where(dd > 0, (w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
+            # (weighted: <w,d>_e / <d,d>_e with the element weights e)
+            dd = (ew * d * d).sum(axis=-1)
+            s = np.where(dd > 0, (ew * w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
         else:
             s = step
-        err = ((w - s[..., None] * d) ** 2).sum(axis=-1)
+        err = (ew * (w - s[..., None] * d) ** 2).sum(axis=-1)
         if best_err is None:
             best_err, best_q, best_s, best_zp = err, q, s, zp
             continue
@@ -196,19 +234,21 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
     """
     if mix not in MIXES:
         raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
+    weighted = mix.endswith(IMATRIX)
+    base = mix[:-len(IMATRIX)] if weighted else mix  # the same forms, searched with importance weights
     sym4 = TensorQuant(4, block, True)
-    asym4 = TensorQuant(4, block, False, search=mix != "asym4-head8-rtn")
+    asym4 = TensorQuant(4, block, False, search=base != "asym4-head8-rtn", weighted=weighted)
     int8 = TensorQuant(8, block, True)
 
     def plan(name: str) -> TensorQuant:
-        if mix == "rtn-sym4":
+        if base == "rtn-sym4":
             return sym4
-        if mix == "asym4":
+        if base == "asym4":
             return asym4
-        if name == "lm_head" or (name == EMBEDDING_TABLE and mix != "asym4-head8-embed4"):
+        if name == "lm_head" or (name == EMBEDDING_TABLE and base != "asym4-head8-embed4"):
             return int8
         where = _layer(name)
-        if (mix == "asym4-head8-more" and where is not None and where[1] in ("down", "qkv")
+        if (base == "asym4-head8-more" and where is not None and where[1] in ("down", "qkv")
                 and _more_bits(where[0], n_layers)):
             # Q4_K_M's 6-bit ffn_down and attn_v on these layers; v is fused with q and k here, so the
             # whole q|k|v weight goes up (GQA keeps it small: SmolLM2's is 576 x 960).
@@ -217,6 +257,8 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
 
     return plan
 
+
+IMATRIX = "-imatrix"  # a mix whose int4 search is weighted by activation importance ends so
 
 # Mix name -> what it does (export --quant-mix's help lists these).
 MIXES = {
@@ -227,6 +269,9 @@ MIXES = {
     "asym4-head8-rtn": "asym4-head8 with min/max (unsearched) int4 blocks",
     "asym4-head8-embed4": "asymmetric searched int4 blocks, the embedding included; the output head symmetric int8",
     "asym4-head8-more": "asym4-head8, plus int8 ffn down and q|k|v projections on llama.cpp's use_more_bits layers",
+    "asym4-head8-imatrix": "asym4-head8 with each int4 block's search weighted by its input channels' activation "
+                           "importance on calibration text (llama.cpp's importance matrix)",
+    "asym4-head8-more-imatrix": "asym4-head8-more, its int4 search weighted by activation importance",
 }
 # The best perplexity ratio per stored bit measured on SmolLM2 and Qwen2.5-Coder-0.5B
 # (docs/results/2026-12-06-float-quantization.md).

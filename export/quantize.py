@@ -35,19 +35,23 @@ class QuantConfig:
 
 
 def quantize_graph(src: Path, dst: Path, config: QuantConfig = QuantConfig(), *, plan: "Plan | None" = None,
-                   chosen: "dict[str, tuple[TensorQuant, int]] | None" = None,
+                   chosen: "dict[str, tuple[TensorQuant, int, str]] | None" = None, tied: bool = False,
+                   importance: "dict | None" = None,
                    progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
     """Rewrite every MatMul with a constant weight in ``src`` as MatMulNBits; write ``dst`` (+ .data).
 
     ONNX Runtime's quantizer rewrite, one weight at a time (export/rtn.py): the same graph as
     ``MatMulNBitsQuantizer`` over the loaded model, in about one fp32 weight of memory. With
     ``plan`` (export/mixquant.py ``make_plan``), each weight takes its own form instead of
-    ``config``'s bits, block and symmetry. ``chosen`` receives weight name -> (form, element count)
-    either way; ``progress(done, total)`` is told after each weight (export/progress.py ``Eta``).
+    ``config``'s bits, block and symmetry. ``chosen`` receives weight name -> (form, element count, the
+    weight whose integers it reads or "") either way; ``tied``: the source's output layer is its embedding
+    (a plan then writes their integers once); ``importance``: weight name -> activation importance for the
+    plan's weighted forms (export/importance.py); ``progress(done, total)`` is told after each weight
+    (export/progress.py ``Eta``).
     """
     from .rtn import quantize_streaming
 
     # ORT quantizes Gather to 4 bits only; 8-bit bundles keep fp32 embeddings (a plan may quantize them).
     return quantize_streaming(src, dst, bits=config.bits, block_size=config.block_size, symmetric=config.symmetric,
                               accuracy_level=config.accuracy_level, quantize_embeddings=config.quantize_embeddings,
-                              plan=plan, chosen=chosen, progress=progress)
+                              plan=plan, chosen=chosen, tied=tied, importance=importance, progress=progress)

@@ -36,6 +36,7 @@ _EXTERNAL_THRESHOLD = 1024  # tensors above this many bytes go to the data file 
 _ALIGN = 64  # data offsets SIMD-aligned, as export/graph.py writes them
 _GATHER_ROWS = 8192  # embedding rows quantized at once (8192 x 4096 fp32 = 128 MiB)
 _COPY_CHUNK = 64 << 20
+_HEAD = "lm_head"  # the output layer's MatMul weight in our graphs (export/graph.py)
 
 
 class DataFile:
@@ -123,7 +124,8 @@ def _read(tensor, src_dir: Path, rows: slice | None = None) -> np.ndarray:
 
 def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
                        quantize_embeddings: bool, plan: "Plan | None" = None,
-                       chosen: "dict[str, tuple[TensorQuant, int]] | None" = None,
+                       chosen: "dict[str, tuple[TensorQuant, int, str]] | None" = None, tied: bool = False,
+                       importance: "dict[str, np.ndarray] | None" = None,
                        progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
     """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
 
@@ -133,7 +135,11 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
 
     With ``plan`` (export/mixquant.py: weight name -> form), each MatMul weight and, with
     ``quantize_embeddings``, the embedding table take the plan's form instead (``bits``, ``block_size``
-    and ``symmetric`` are then unused). ``chosen`` (if given) receives weight name -> (form, element count);
+    and ``symmetric`` are then unused); with ``tied`` too (the source's output layer is its embedding), a
+    plan that gives both the same form writes their integers once (:class:`_TiedTable`). ``importance``:
+    weight name -> [K] activation importance (export/importance.py) for the plan's ``weighted`` forms; a
+    weighted form without one is searched unweighted (and recorded so). ``chosen`` (if
+    given) receives weight name -> (form, element count, the weight whose integers it reads or "");
     ``progress(done, total)`` (if given) is told after each weight quantized.
     """
     chosen = {} if chosen is None else chosen
@@ -142,14 +148,19 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
 
         def planned_matmul(name: str, b: np.ndarray):
             form = plan(name)
-            blocks = quantize(np.ascontiguousarray(b.T), form)
+            weights = None if importance is None else importance.get(name)
+            if form.weighted and weights is None:
+                form = replace(form, weighted=False)
+            blocks = quantize(np.ascontiguousarray(b.T), form, weights if form.weighted else None)
             return form, blocks.packed(), blocks.scales, None if form.symmetric else blocks.packed_zero_points()
 
         def planned_gather(node, table, out: DataFile, new_inits: dict):
             return _planned_gather(node, table, plan(table.name), src.parent, out, new_inits)
 
+        share = tied and quantize_embeddings and plan("lm_head") == plan(EMBEDDING_TABLE)
         return _rewrite(src, dst, matmul=planned_matmul, gather=planned_gather if quantize_embeddings else None,
-                        accuracy_level=accuracy_level, chosen=chosen, int4_tensors=False, progress=progress)
+                        accuracy_level=accuracy_level, chosen=chosen, int4_tensors=False,
+                        tied_form=plan("lm_head") if share else None, progress=progress)
 
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
@@ -175,14 +186,16 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
 
 
 def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chosen: dict,
-             int4_tensors: bool, progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
+             int4_tensors: bool, tied_form: "TensorQuant | None" = None,
+             progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
     """The one graph rewrite both quantizers share, one weight at a time.
 
     ``matmul(name, B [K, N] float32)`` -> (form, B packed [N, K/block, block*bits/8] uint8, scales [N, K/block],
     zero points in MatMulNBits' uint8 layout or None): each MatMul over a constant 2-D weight becomes
     MatMulNBits. ``gather(node, table, out, new_inits)`` -> (GatherBlockQuantized node, form), or None to
-    keep the embedding float. ``chosen`` receives weight name -> (form, element count); ``progress(done,
-    total)`` is told after each weight.
+    keep the embedding float. ``tied_form``: the form of a tied output layer and embedding, written once
+    (:class:`_TiedTable`) where the graph allows it. ``chosen`` receives weight name -> (form, element count,
+    the weight whose integers it reads or ""); ``progress(done, total)`` is told after each weight.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -202,14 +215,22 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
     total = sum(is_weighted_matmul(n) or (gather is not None and _is_embedding_lookup(n, inits)) for n in graph.node)
     done = 0
     try:
+        tied = None if tied_form is None or gather is None else _TiedTable.of(graph, inits, tied_form, src_dir, out,
+                                                                               new_inits)
         for node in graph.node:
-            if is_weighted_matmul(node):
+            if tied is not None and is_weighted_matmul(node) and node.input[1] == _HEAD:
+                new_nodes.append(tied.head_node(node, accuracy_level))
+                chosen[_HEAD] = (tied.form, int(np.prod(inits[_HEAD].dims)), EMBEDDING_TABLE)
+            elif tied is not None and _is_embedding_lookup(node, inits):
+                new_nodes.extend(tied.gather_nodes(node))
+                chosen[EMBEDDING_TABLE] = (tied.form, int(np.prod(inits[EMBEDDING_TABLE].dims)), "")
+            elif is_weighted_matmul(node):
                 weight = inits[node.input[1]]
                 b = _read(weight, src_dir)
                 rows, cols = b.shape
                 form, packed, scales, zero_points = matmul(weight.name, b)
                 del b
-                chosen[weight.name] = (form, rows * cols)
+                chosen[weight.name] = (form, rows * cols, "")
                 q = out.tensor(f"{weight.name}_Q{form.bits}", TensorProto.UINT8, packed.shape, packed)
                 s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, scales.shape, scales)
                 inputs = [node.input[0], q.name, s.name]
@@ -227,7 +248,7 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
             elif gather is not None and _is_embedding_lookup(node, inits):
                 table = inits[node.input[0]]
                 node, form = gather(node, table, out, new_inits)
-                chosen[table.name] = (form, int(np.prod(table.dims)))
+                chosen[table.name] = (form, int(np.prod(table.dims)), "")
                 new_nodes.append(node)
             else:
                 new_nodes.append(node)
@@ -255,6 +276,111 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
     if data_path.stat().st_size == 0:
         os.unlink(data_path)
     return [dst] + ([data_path] if data_path.exists() else [])
+
+
+class _TiedTable:
+    """A tied model's embedding and output layer quantized once (the untied fp32 graph holds the table twice).
+
+    The integers are one [vocab, K/block, block*bits/8] uint8 initializer: MatMulNBits reads it as the head's
+    B, and GatherBlockQuantized gathers it along its last axis (``quantize_axis=2``), followed by a Reshape
+    of [*ids, K/block, block] rows to [*ids, K]. Only the scales (and 8-bit zero points) are written twice:
+    MatMulNBits wants them [vocab, K/block] and GatherBlockQuantized [vocab, K/block, 1], and ONNX Runtime
+    refuses either in the other's shape. The same layout as a GGUF's tied head (export/gguf_import.py).
+    """
+
+    def __init__(self, table, form: "TensorQuant", id_rank: int, src_dir: Path, out: DataFile, new_inits: dict):
+        self.table, self.form, self.id_rank = table, form, id_rank
+        self.src_dir, self.out, self.new_inits = src_dir, out, new_inits
+        self.names: tuple[str, str, str, str | None, str | None] | None = None
+
+    @classmethod
+    def of(cls, graph, inits: dict, form: "TensorQuant", src_dir: Path, out: DataFile,
+           new_inits: dict) -> "_TiedTable | None":
+        """The shared table, or None where the graph cannot share it: no [vocab, K] table gathered along axis 0
+        from a graph input (the Reshape needs the ids' rank), a head that is not the table transposed, a width
+        off the block (a lookup cannot pad), or 4-bit zero points (GatherBlockQuantized packs them along the
+        gathered block axis, MatMulNBits along K/block: two layouts of one nibble stream)."""
+        from onnx import helper
+
+        table, head = inits.get(EMBEDDING_TABLE), inits.get(_HEAD)
+        if table is None or head is None or len(table.dims) != 2 or tuple(head.dims) != tuple(table.dims)[::-1]:
+            return None
+        if table.dims[1] % form.block or (not form.symmetric and form.bits != 8):
+            return None
+        lookups = [n for n in graph.node if _is_embedding_lookup(n, inits)]
+        ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input}
+        if len(lookups) != 1 or lookups[0].input[1] not in ranks or any(
+                a.name == "axis" and helper.get_attribute_value(a) != 0 for a in lookups[0].attribute):
+            return None
+        lm_head = _read(head, src_dir)  # one fp32 weight, as the unshared head would read it
+        for start in range(0, table.dims[0], _GATHER_ROWS):
+            if not np.array_equal(_read(table, src_dir, slice(start, start + _GATHER_ROWS)),
+                                  lm_head[:, start:start + _GATHER_ROWS].T):
+                return None
+        return cls(table, form, ranks[lookups[0].input[1]], src_dir, out, new_inits)
+
+    def _written(self) -> tuple[str, str, str, str | None, str | None]:
+        """(integers, head scales, gather scales, head zero points, gather zero points), written on first use."""
+        from onnx import TensorProto
+
+        from .mixquant import quantize
+
+        if self.names is not None:
+            return self.names
+        out, form = self.out, self.form
+        vocab, width = self.table.dims
+        out.align()
+        start, scales, zero_points = out.offset, [], []
+        for row in range(0, vocab, _GATHER_ROWS):
+            blocks = quantize(_read(self.table, self.src_dir, slice(row, row + _GATHER_ROWS)), form)
+            packed = blocks.packed()
+            out.file.write(packed.tobytes())
+            out.offset += packed.nbytes
+            scales.append(blocks.scales)
+            zero_points.append(blocks.zero_points)
+        data = TensorProto(name=f"{EMBEDDING_TABLE}_Q{form.bits}", data_type=TensorProto.UINT8,
+                           dims=[vocab, width // form.block, form.block * form.bits // 8])
+        _point(data, out.path.name, start, out.offset - start)
+        s = np.concatenate(scales)
+        inits = [data, out.tensor(f"{_HEAD}_scales", TensorProto.FLOAT, s.shape, s),
+                 out.tensor(f"{EMBEDDING_TABLE}_scales", TensorProto.FLOAT, (*s.shape, 1), s)]
+        if not form.symmetric:  # 8 bits (of): one byte per block in either layout
+            z = np.concatenate(zero_points)
+            inits += [out.tensor(f"{_HEAD}_zero_points", TensorProto.UINT8, z.shape, z),
+                      out.tensor(f"{EMBEDDING_TABLE}_zero_points", TensorProto.UINT8, (*z.shape, 1), z)]
+        self.new_inits.update({t.name: t for t in inits})
+        names = [t.name for t in inits] + [None] * (5 - len(inits))
+        self.names = (names[0], names[1], names[2], names[3], names[4])
+        return self.names
+
+    def head_node(self, node, accuracy_level: int):
+        """The output layer's MatMulNBits over the shared integers."""
+        from onnx import helper
+
+        data, head_scales, _, head_zp, _ = self._written()
+        vocab, width = self.table.dims
+        attrs = dict(K=width, N=vocab, bits=self.form.bits, block_size=self.form.block)
+        if accuracy_level:
+            attrs["accuracy_level"] = accuracy_level
+        return helper.make_node("MatMulNBits", [node.input[0], data, head_scales] + ([head_zp] if head_zp else []),
+                                [node.output[0]], name=f"{node.name}_Q{self.form.bits}" if node.name else "",
+                                domain="com.microsoft", **attrs)
+
+    def gather_nodes(self, node) -> list:
+        """The embedding lookup over the shared integers: GatherBlockQuantized, then a Reshape to [*ids, K]."""
+        from onnx import TensorProto, helper
+
+        data, _, gather_scales, _, gather_zp = self._written()
+        blocks = f"{node.output[0]}_blocks"
+        shape = self.out.tensor(f"{EMBEDDING_TABLE}_row_shape", TensorProto.INT64, (self.id_rank + 1,),
+                                np.array([0] * self.id_rank + [-1], np.int64))
+        self.new_inits[shape.name] = shape
+        return [helper.make_node("GatherBlockQuantized", [data, node.input[1], gather_scales]
+                                 + ([gather_zp] if gather_zp else []), [blocks],
+                                 name=f"{node.name}_Q{self.form.bits}" if node.name else "", domain="com.microsoft",
+                                 gather_axis=0, quantize_axis=2, block_size=self.form.block, bits=self.form.bits),
+                helper.make_node("Reshape", [blocks, shape.name], [node.output[0]],
+                                 name=f"{node.name}_rows" if node.name else "")]
 
 
 def _is_embedding_lookup(node, inits: dict) -> bool:

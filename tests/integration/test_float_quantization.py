@@ -132,7 +132,7 @@ def test_onnxruntime_reads_the_blocks_as_numpy_does(tmp_path, form, k):
                        quantize_embeddings=True, plan=lambda name: form, chosen=chosen)
     # A lookup returns whole rows, so a block that does not divide the table's width falls back to 32.
     table_form = replace(form, block=32) if k % form.block else form
-    assert chosen == {"layers.0.down": (form, w.size), "embed": (table_form, table.size)}
+    assert chosen == {"layers.0.down": (form, w.size, ""), "embed": (table_form, table.size, "")}
     x = np.random.default_rng(5).standard_normal((1, 3, w.shape[0])).astype(np.float32)
     ids = np.array([[0, 7, table.shape[0] - 1]], np.int64)
     y, e = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
@@ -162,6 +162,84 @@ def test_an_input_axis_off_the_block_is_zero_padded(tmp_path):
     np.testing.assert_allclose(y, x @ blocks.dequantize()[:, :80].T, rtol=1e-5, atol=1e-4)
 
 
+def _tied_graph(folder: Path, head_is_table: bool = True, ids_rank: int = 2) -> tuple[Path, np.ndarray]:
+    """embed [vocab, K] gathered by ``ids``, and an output layer ``lm_head`` [K, vocab]: the table transposed
+    (a tied model's untied fp32 graph) or, with ``head_is_table=False``, its own weights."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = _weight(7, (40, 128))
+    head = table.T.copy() if head_is_table else _weight(8, (40, 128)).T.copy()
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed", "ids"], ["e"], name="gather", axis=0),
+         helper.make_node("MatMul", ["e", "lm_head"], ["logits"], name="head")], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3][-ids_rank:])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(head, "lm_head")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(folder / "src.onnx"), save_as_external_data=True, location="src.data",
+                    size_threshold=0)
+    return folder / "src.onnx", table
+
+
+@pytest.mark.parametrize("ids_rank", [1, 2])
+@pytest.mark.parametrize("form", [TensorQuant(8, 32, True), TensorQuant(8, 32, False), TensorQuant(4, 32, True),
+                                  TensorQuant(4, 64, True, search=True)], ids=str)
+def test_a_tied_head_reads_the_embeddings_integers(tmp_path, form, ids_rank):
+    """One integer initializer, read by the lookup and by the output layer; both give the numpy dequantized
+    table's values (the lookup exactly), and the record says the head shares the embedding's integers."""
+    import onnx
+    ort = pytest.importorskip("onnxruntime")
+    from specedge.export.rtn import quantize_streaming
+
+    src, table = _tied_graph(tmp_path, ids_rank=ids_rank)
+    chosen: dict = {}
+    quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
+                       quantize_embeddings=True, plan=lambda name: form, chosen=chosen, tied=True)
+    assert chosen == {"embed": (form, table.size, ""), "lm_head": (form, table.size, "embed")}
+    model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
+    integers = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8 and len(t.dims) == 3
+                and not t.name.endswith("zero_points")]
+    assert integers == [f"embed_Q{form.bits}"]
+    readers = [n.op_type for n in model.graph.node if integers[0] in n.input]
+    assert sorted(readers) == ["GatherBlockQuantized", "MatMulNBits"]
+    assert not any(t.name == "lm_head" for t in model.graph.initializer)  # the fp32 copy is gone
+    ids = np.array([[0, 7, table.shape[0] - 1]], np.int64).reshape([1, 3][-ids_rank:])
+    logits, e = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": ids})
+    deq = quantize(table, form).dequantize()
+    assert np.array_equal(e, deq[ids])
+    np.testing.assert_allclose(logits, e @ deq.T, rtol=1e-5, atol=1e-4)
+    # the manifest's stored bits count the head's scales (and zero points), not its integers
+    record = QuantizedTensor(form.bits, form.block, form.symmetric, "rtn", table.size, "embed")
+    assert record.bits_per_weight() == pytest.approx((32 + (0 if form.symmetric else 8)) / form.block)
+    assert "reads embed's integers" in record.describe()
+
+
+@pytest.mark.parametrize("case", ["untied", "4-bit zero points", "forms differ", "not asked"])
+def test_a_head_that_cannot_share_keeps_its_own_integers(tmp_path, case):
+    """Sharing needs the head to be the table transposed, a zero-point layout both ops read, one form for
+    both, and ``tied``; otherwise each keeps its own integers, as before."""
+    import onnx
+    from specedge.export.rtn import quantize_streaming
+
+    src, table = _tied_graph(tmp_path, head_is_table=case != "untied")
+    forms = {"4-bit zero points": TensorQuant(4, 32, False)}
+    form = forms.get(case, TensorQuant(8, 32, True))
+    plan = (lambda name: TensorQuant(4, 32, True) if name == "embed" else form) if case == "forms differ" else \
+        (lambda name: form)
+    chosen: dict = {}
+    quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
+                       quantize_embeddings=True, plan=plan, chosen=chosen, tied=case != "not asked")
+    assert all(shares == "" for _, _, shares in chosen.values())
+    model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
+    integers = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8
+                and not t.name.endswith("zero_points")}
+    assert len(integers) == 2
+
+
 def test_quantization_records_round_trip():
     mix = QuantMix("asym4-head8", {"layers.0.qkv": QuantizedTensor(4, 32, False, "search", 4096),
                                    "lm_head": QuantizedTensor(8, 32, True, "rtn", 1024)})
@@ -171,6 +249,11 @@ def test_quantization_records_round_trip():
     # int4/32 asym: 4 + (32 + 4)/32 bits per weight; int8/32 sym: 8 + 32/32
     assert again.quantization["target"].bits_per_weight() == pytest.approx((5.125 * 4096 + 9 * 1024) / 5120)
     assert "1 x int4/32 asym search" in mix.summary()
+    assert "shares" not in extra.to_dict()["quantization"]["target"]["tensors"]["lm_head"]  # only when set
+    shared = QuantMix("asym4-head8", dict(mix.tensors, lm_head=QuantizedTensor(8, 32, True, "rtn", 1024, "embed")))
+    assert ManifestExtra.from_dict(ManifestExtra(quantization={"target": shared}).to_dict()).quantization == \
+        {"target": shared}
+    assert shared.bits_per_weight() == pytest.approx((5.125 * 4096 + 1 * 1024) / 5120)
     bad = extra.to_dict()
     bad["quantization"]["target"]["tensors"]["lm_head"]["bits"] = 3
     with pytest.raises(ManifestError, match=r"quantization\.target\.tensors\.lm_head\.bits"):
@@ -206,6 +289,25 @@ def test_export_records_each_tensors_choice(default_int4_bundle, tiny_model, exp
     legacy = load_manifest(export(tiny_model("llama"), precision="int4", quant_mix="rtn-sym4"))
     assert {(t.bits, t.symmetric, t.method) for t in legacy.extra.quantization["target"].tensors.values()} == \
         {(4, True, "rtn")}
+
+
+def test_a_tied_model_stores_its_head_once(tiny_model, export, load_generator):
+    """Qwen2 (tied) at the default mix: the int8 output layer reads the int8 embedding's integers, the record
+    says so, the bundle is smaller than the two copies were, and self-speculation still equals greedy."""
+    from specedge.bundle.manifest import load_manifest
+
+    bundle = export(tiny_model("qwen2"), draft="self-int4", precision="int4")
+    manifest = load_manifest(bundle)
+    for role in ("target", "draft"):
+        tensors = manifest.extra.quantization[role].tensors
+        assert tensors["lm_head"].shares == "embed" and tensors["embed"].shares == ""
+        assert tensors["lm_head"].bits_per_weight() == pytest.approx(32 / tensors["lm_head"].block_size)
+    assert "reads embed's integers" in manifest.extra.quantization["target"].summary()
+    gen = load_generator(bundle)
+    for prompt in ([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]):
+        plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
+        spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
+        assert spec.token_ids == plain.token_ids
 
 
 def test_default_mix_keeps_speculation_equal_to_greedy(default_int4_bundle, load_generator):
