@@ -78,11 +78,14 @@ def _sse(data: dict | str) -> str:
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that cancels its job however the response ends.
+    """An SSE response that cancels its job however the response ends, and as soon as its client leaves.
 
-    Starlette stops iterating when the client disconnects (it listens for
-    ``http.disconnect`` while streaming); the ``finally`` then frees the worker.
-    On a normal end the job has finished and the cancel is a no-op.
+    Starlette stops iterating when the client disconnects, and the ``finally`` then frees the worker. But
+    it listens for ``http.disconnect`` only on servers that report ASGI spec < 2.4 (uvicorn says 2.3);
+    from 2.4 it learns of the disconnect at its next send, which during a long prefill is the first
+    token, after the whole prefill has run for nobody. So from 2.4 this response listens itself and
+    cancels the job on the disconnect (the prefill's forward stops, engines/ort.py). On a normal end the
+    job has finished and the cancel is a no-op.
     """
 
     def __init__(self, content, worker: GenerationWorker, job: Job, headers: dict) -> None:
@@ -91,10 +94,19 @@ class _EventStream(StreamingResponse):
         self._job = job
 
     async def __call__(self, scope, receive, send) -> None:
+        spec = tuple(int(part) for part in str(scope.get("asgi", {}).get("spec_version", "2.0")).split(".")[:2])
+        listener = asyncio.ensure_future(self._cancel_on_disconnect(receive)) if spec >= (2, 4) else None
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if listener is not None:
+                listener.cancel()
             self._worker.cancel(self._job)
+
+    async def _cancel_on_disconnect(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._worker.cancel(self._job)
 
 
 class _Server:

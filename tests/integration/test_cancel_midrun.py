@@ -185,20 +185,35 @@ def _completions(port: int, prompt: list[int], exact: bool, *,
     return head
 
 
-def test_the_server_loses_no_reply_when_clients_leave_mid_prefill(llama_bundle, monkeypatch):
+def _reporting_spec(app, version: str):
+    """``app`` behind a server that reports ASGI ``spec_version`` ``version`` (uvicorn reports 2.3)."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] == "http":
+            scope = dict(scope, asgi=dict(scope.get("asgi", {}), spec_version=version))
+        await app(scope, receive, send)
+    return wrapped
+
+
+# Starlette listens for a streaming client's disconnect itself below ASGI 2.4 only (server/app.py _EventStream)
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_the_server_loses_no_reply_when_clients_leave_mid_prefill(llama_bundle, monkeypatch, spec_version):
     """Streamed requests whose clients leave while their prefill runs never cost a later request its
     reply: each disconnect stops the forward in progress (ORT's terminate), every later request
-    answers its cold reply, and no job fails.
+    answers its cold reply, and no job fails, whichever ASGI spec the server reports.
 
     No timing is involved: each cut request's prefill is held inside its session run until the server
     has cancelled the job (its client left only once that run had begun), so the stop is registered
     before the real run starts, on any machine. A cancelled generation starts no other run, so the
     first ``len(prompts)`` session runs are the cut requests' prefills, in order.
     """
-    pytest.importorskip("uvicorn")
+    uvicorn = pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
     from specedge.bench.preemptive import LocalServer
     from specedge.runtime.generator import Generator
+
+    config = uvicorn.Config
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **options: config(_reporting_spec(app, spec_version),
+                                                                           **options))
 
     gen = Generator.from_bundle(llama_bundle, threads=1, cache_slots=2)
     exact = exact_holds(gen)
