@@ -20,6 +20,10 @@ The forms are the ones ONNX Runtime's CPU kernels run without a slow path:
   ``make_qkx2_quants`` and of HQQ's zero-point optimisation, constrained to integral zero points.
   Weighting each element by ``rms(block) + |w_i|`` (llama.cpp's choice without an importance matrix)
   was measured worse on SmolLM2 (docs/results/2026-12-06-float-quantization.md), so errors weigh alike.
+* **importance-weighted search** (``weighted``, the ``-imatrix`` mixes): each element's squared error
+  weighted by its input channel's activation importance (export/importance.py), llama.cpp's importance
+  matrix. Measured (docs/results/2026-12-07-shared-head-imatrix.md): SmolLM2's perplexity ratio
+  1.049 -> 1.025, but Qwen2.5-Coder-0.5B's 1.041 -> 1.054, so it is offered by name, not by default.
 
 numpy only; export/rtn.py writes the results into the graph.
 """

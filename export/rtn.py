@@ -21,7 +21,7 @@ would round the rotary cos/sin caches and the learned position table too; those 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
@@ -157,10 +157,10 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
         def planned_gather(node, table, out: DataFile, new_inits: dict):
             return _planned_gather(node, table, plan(table.name), src.parent, out, new_inits)
 
-        share = tied and quantize_embeddings and plan("lm_head") == plan(EMBEDDING_TABLE)
+        share = tied and quantize_embeddings and plan(_HEAD) == plan(EMBEDDING_TABLE)
         return _rewrite(src, dst, matmul=planned_matmul, gather=planned_gather if quantize_embeddings else None,
                         accuracy_level=accuracy_level, chosen=chosen, int4_tensors=False,
-                        tied_form=plan("lm_head") if share else None, progress=progress)
+                        tied_form=plan(_HEAD) if share else None, progress=progress)
 
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
@@ -278,6 +278,19 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
     return [dst] + ([data_path] if data_path.exists() else [])
 
 
+@dataclass(frozen=True)
+class _TiedNames:
+    """The initializers of a :class:`_TiedTable`: the integers [vocab, K/block, block*bits/8], the scales in
+    MatMulNBits' [vocab, K/block] and GatherBlockQuantized's [vocab, K/block, 1] shapes, and (8-bit
+    asymmetric only) the zero points in the same two shapes."""
+
+    data: str
+    head_scales: str
+    gather_scales: str
+    head_zero_points: str | None = None
+    gather_zero_points: str | None = None
+
+
 class _TiedTable:
     """A tied model's embedding and output layer quantized once (the untied fp32 graph holds the table twice).
 
@@ -291,7 +304,7 @@ class _TiedTable:
     def __init__(self, table, form: "TensorQuant", id_rank: int, src_dir: Path, out: DataFile, new_inits: dict):
         self.table, self.form, self.id_rank = table, form, id_rank
         self.src_dir, self.out, self.new_inits = src_dir, out, new_inits
-        self.names: tuple[str, str, str, str | None, str | None] | None = None
+        self.names: _TiedNames | None = None
 
     @classmethod
     def of(cls, graph, inits: dict, form: "TensorQuant", src_dir: Path, out: DataFile,
@@ -319,8 +332,8 @@ class _TiedTable:
                 return None
         return cls(table, form, ranks[lookups[0].input[1]], src_dir, out, new_inits)
 
-    def _written(self) -> tuple[str, str, str, str | None, str | None]:
-        """(integers, head scales, gather scales, head zero points, gather zero points), written on first use."""
+    def _written(self) -> "_TiedNames":
+        """The shared initializers' names, written on first use."""
         from onnx import TensorProto
 
         from .mixquant import quantize
@@ -349,20 +362,20 @@ class _TiedTable:
             inits += [out.tensor(f"{_HEAD}_zero_points", TensorProto.UINT8, z.shape, z),
                       out.tensor(f"{EMBEDDING_TABLE}_zero_points", TensorProto.UINT8, (*z.shape, 1), z)]
         self.new_inits.update({t.name: t for t in inits})
-        names = [t.name for t in inits] + [None] * (5 - len(inits))
-        self.names = (names[0], names[1], names[2], names[3], names[4])
+        self.names = _TiedNames(*(t.name for t in inits))
         return self.names
 
     def head_node(self, node, accuracy_level: int):
         """The output layer's MatMulNBits over the shared integers."""
         from onnx import helper
 
-        data, head_scales, _, head_zp, _ = self._written()
+        names = self._written()
         vocab, width = self.table.dims
         attrs = dict(K=width, N=vocab, bits=self.form.bits, block_size=self.form.block)
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
-        return helper.make_node("MatMulNBits", [node.input[0], data, head_scales] + ([head_zp] if head_zp else []),
+        zero_points = [names.head_zero_points] if names.head_zero_points else []
+        return helper.make_node("MatMulNBits", [node.input[0], names.data, names.head_scales] + zero_points,
                                 [node.output[0]], name=f"{node.name}_Q{self.form.bits}" if node.name else "",
                                 domain="com.microsoft", **attrs)
 
@@ -370,13 +383,14 @@ class _TiedTable:
         """The embedding lookup over the shared integers: GatherBlockQuantized, then a Reshape to [*ids, K]."""
         from onnx import TensorProto, helper
 
-        data, _, gather_scales, _, gather_zp = self._written()
+        names = self._written()
         blocks = f"{node.output[0]}_blocks"
         shape = self.out.tensor(f"{EMBEDDING_TABLE}_row_shape", TensorProto.INT64, (self.id_rank + 1,),
                                 np.array([0] * self.id_rank + [-1], np.int64))
         self.new_inits[shape.name] = shape
-        return [helper.make_node("GatherBlockQuantized", [data, node.input[1], gather_scales]
-                                 + ([gather_zp] if gather_zp else []), [blocks],
+        zero_points = [names.gather_zero_points] if names.gather_zero_points else []
+        return [helper.make_node("GatherBlockQuantized", [names.data, node.input[1], names.gather_scales]
+                                 + zero_points, [blocks],
                                  name=f"{node.name}_Q{self.form.bits}" if node.name else "", domain="com.microsoft",
                                  gather_axis=0, quantize_axis=2, block_size=self.form.block, bits=self.form.bits),
                 helper.make_node("Reshape", [blocks, shape.name], [node.output[0]],
