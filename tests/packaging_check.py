@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 # The subpackages the product promises (the wheel may hold more; setup.py discovers them).
 REQUIRED_PACKAGES = ("runtime", "engines", "export", "cli", "server", "bench", "quality")
 # Package data: the only non-Python files in the wheel, as globs relative to specedge/.
-PACKAGE_DATA = ("bench/prompts/*.json", "quality/texts/*.txt")
+PACKAGE_DATA = ("bench/prompts/*.json", "quality/texts/*.txt", "export/calibration/*.txt")
 # Modules that need an optional extra at import time: module -> the top-level package it needs.
 # A package listed here cannot be imported, so its submodules are not walked either.
 # Everything else must import with the edge install: the base dependencies (numpy, tokenizers,

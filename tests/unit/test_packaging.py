@@ -85,7 +85,7 @@ def test_package_data_matches_files_and_the_checker_agrees_with_pyproject():
 
 def _wheel(*extra: str, drop: tuple[str, ...] = ()) -> list[str]:
     names = ["specedge/__init__.py", "specedge/errors.py", "specedge/bench/prompts/suite.json",
-             "specedge/quality/texts/prose.txt",
+             "specedge/quality/texts/prose.txt", "specedge/export/calibration/prose.txt",
              *(f"specedge/{p}/__init__.py" for p in packaging_check.REQUIRED_PACKAGES),
              "specedge-0.1.0.dist-info/METADATA", "specedge-0.1.0.dist-info/licenses/LICENSE",
              "specedge-0.1.0.dist-info/RECORD", *extra]
@@ -106,9 +106,11 @@ def test_the_wheel_check_accepts_a_right_wheel():
     (_wheel(drop=("specedge/server/__init__.py",)), "specedge/server/__init__.py is missing"),
     (_wheel(drop=("specedge/bench/prompts/suite.json",)), "no package data matches specedge/bench/prompts/*.json"),
     (_wheel(drop=("specedge/quality/texts/prose.txt",)), "no package data matches specedge/quality/texts/*.txt"),
+    (_wheel(drop=("specedge/export/calibration/prose.txt",)),
+     "no package data matches specedge/export/calibration/*.txt"),
     (_wheel(drop=("specedge-0.1.0.dist-info/licenses/LICENSE",)), "the dist-info holds no licenses/LICENSE"),
 ], ids=["tests", "bench-results", "docs", "readme", "top-level-tests", "unprefixed-package", "missing-subpackage",
-        "missing-prompts", "missing-eval-texts", "missing-license"])
+        "missing-prompts", "missing-eval-texts", "missing-calibration-texts", "missing-license"])
 def test_the_wheel_check_names_what_is_wrong(names, problem):
     problems = packaging_check.wheel_problems(names)
     assert len(problems) == 1 and problems[0].startswith(problem), problems
