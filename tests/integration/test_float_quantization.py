@@ -100,8 +100,18 @@ def test_mixes_choose_per_tensor():
     assert embed4("lm_head").bits == 8 and embed4("embed") == TensorQuant(4, 32, False, search=True)
 
 
-def _tiny_graph(folder: Path, k: int = 128, n: int = 48, vocab: int = 40) -> tuple[Path, np.ndarray, np.ndarray]:
+def _save(graph, folder: Path) -> None:
+    """``graph`` as folder/src.onnx, every initializer in its external data file (as export writes graphs)."""
     import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(folder / "src.onnx"), save_as_external_data=True, location="src.data",
+                    size_threshold=0)
+
+
+def _tiny_graph(folder: Path, k: int = 128, n: int = 48, vocab: int = 40) -> tuple[Path, np.ndarray, np.ndarray]:
     from onnx import TensorProto, helper, numpy_helper
 
     w, table = _weight(3, (k, n)), _weight(4, (vocab, k))
@@ -113,10 +123,7 @@ def _tiny_graph(folder: Path, k: int = 128, n: int = 48, vocab: int = 40) -> tup
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
          helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(w, "layers.0.down"), numpy_helper.from_array(table, "embed")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save_model(model, str(folder / "src.onnx"), save_as_external_data=True, location="src.data",
-                    size_threshold=0)
+    _save(graph, folder)
     return folder / "src.onnx", w, table
 
 
@@ -165,7 +172,6 @@ def test_an_input_axis_off_the_block_is_zero_padded(tmp_path):
 def _tied_graph(folder: Path, head_is_table: bool = True, ids_rank: int = 2) -> tuple[Path, np.ndarray]:
     """embed [vocab, K] gathered by ``ids``, and an output layer ``lm_head`` [K, vocab]: the table transposed
     (a tied model's untied fp32 graph) or, with ``head_is_table=False``, its own weights."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     table = _weight(7, (40, 128))
@@ -177,10 +183,7 @@ def _tied_graph(folder: Path, head_is_table: bool = True, ids_rank: int = 2) -> 
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None),
          helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(head, "lm_head")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save_model(model, str(folder / "src.onnx"), save_as_external_data=True, location="src.data",
-                    size_threshold=0)
+    _save(graph, folder)
     return folder / "src.onnx", table
 
 
