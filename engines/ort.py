@@ -60,8 +60,8 @@ def session_providers(provider: str, provider_options: dict | None = None,
     return [chosen, "CPUExecutionProvider"]
 
 
-def _bundle_of(graph_path: Path, graph_rel: str) -> Path:
-    """The bundle folder: ``graph_path`` minus the manifest's relative ``graph_rel`` (for messages)."""
+def bundle_folder(graph_path: Path, graph_rel: str) -> Path:
+    """The bundle folder: ``graph_path`` minus the manifest's relative ``graph_rel``."""
     folder = Path(graph_path)
     for _ in Path(graph_rel).parts:
         folder = folder.parent
@@ -77,7 +77,7 @@ class OrtEngine:
 
         check_provider(options.provider)
         self.entry = entry
-        self._bundle = str(_bundle_of(graph_path, entry.graph))
+        self._bundle = str(bundle_folder(graph_path, entry.graph))
         self.options = options
         self.vocab_size = entry.vocab_size
         self.max_context = entry.max_context

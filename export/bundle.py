@@ -292,7 +292,7 @@ class _ModelExporter:
         from .mixquant import IMATRIX
         from .quantize import QuantConfig, quantize_graph
 
-        if self._plan(bits, 1, 32) is None or not self.config.quant_mix.endswith(IMATRIX):
+        if bits != 4 or not self.config.quant_mix.endswith(IMATRIX):
             return None
         ids = calibration_ids(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                               src_entry.max_context)

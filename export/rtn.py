@@ -357,7 +357,7 @@ class _TiedTable:
         s = np.concatenate(scales)
         inits = [data, out.tensor(f"{_HEAD}_scales", TensorProto.FLOAT, s.shape, s),
                  out.tensor(f"{EMBEDDING_TABLE}_scales", TensorProto.FLOAT, (*s.shape, 1), s)]
-        if not form.symmetric:  # 8 bits (of): one byte per block in either layout
+        if not form.symmetric:  # 8-bit here (``of`` refuses 4-bit zero points): one byte a block in either layout
             z = np.concatenate(zero_points)
             inits += [out.tensor(f"{_HEAD}_zero_points", TensorProto.UINT8, z.shape, z),
                       out.tensor(f"{EMBEDDING_TABLE}_zero_points", TensorProto.UINT8, (*z.shape, 1), z)]

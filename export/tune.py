@@ -149,13 +149,9 @@ def column_tokens(entry: ModelEntry, graph: Path) -> np.ndarray | None:
     ``entry.head_tokens`` is relative to the folder ``entry.graph`` is relative to), or None where the
     column is the token id."""
     from ..bundle.manifest import load_head_tokens
+    from ..engines.ort import bundle_folder
 
-    if not entry.head_tokens:
-        return None
-    root = Path(graph)
-    for _ in Path(entry.graph).parts:
-        root = root.parent
-    return load_head_tokens(root, entry)
+    return load_head_tokens(bundle_folder(graph, entry.graph), entry) if entry.head_tokens else None
 
 
 def greedy_references(entry: ModelEntry, graph: Path, prompts: list[np.ndarray]) -> list[np.ndarray]:
