@@ -155,6 +155,34 @@ def hf_folder(explicit: str | None, source: str) -> Path | None:
     return None
 
 
+def converted_folder(source: str, log, *, convert: bool = True) -> Path | None:
+    """The exporter's converted HF folder for a GGUF ``source`` whose file is at hand, or None.
+
+    ``convert``: a folder not yet in the cache is made now (export/loader.py ``load_gguf``: the file
+    dequantized to fp32, about 4 bytes a parameter, kept in the cache like ``export --keep-converted``'s),
+    when the export extra is installed; without it, or with ``convert`` False, the path is returned as is
+    (it may not exist: a peer built from it earlier is found in the cache by its name)."""
+    gguf = gguf_file(None, source)
+    if gguf is None:
+        return None
+    from ..export.loader import converted_cache_dir, load_gguf
+
+    out = converted_cache_dir(gguf)
+    if (out / "config.json").is_file() or not convert:
+        return out
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    log.note(f"peers: converting {gguf.name} to an HF folder (fp32, about 4 bytes a parameter; once, kept in "
+             f"{out.parent}; `specedge fetch --clean converted` removes it)")
+    t0 = time.perf_counter()
+    folder, _ = load_gguf(gguf, quiet=True)
+    log.note(f"peers: converted in {time.perf_counter() - t0:.0f} s")
+    return folder
+
+
 def gguf_file(explicit: str | None, source: str) -> Path | None:
     """The GGUF file a bundle model came from: ``<cache>/models/*/NAME.gguf``."""
     if explicit:
@@ -213,7 +241,7 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
         raise PeerSkipped("transformers/torch are not installed (pip install 'specedge[export]')") from None
     opts = ctx.peer_options
     manifest = ctx.manifest
-    target_dir = hf_folder(opts.get("hf_target"), manifest.target.source)
+    target_dir = hf_folder(opts.get("hf_target"), manifest.target.source) or converted_folder(manifest.target.source, log)
     if target_dir is None:
         raise PeerSkipped(f"no HF checkpoint found for the target ({manifest.target.source}); pass --hf-target")
     draft_dir = None
@@ -282,9 +310,30 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
 
 
 # ----------------------------------------------------------------------------- onnxruntime-genai
+def genai_source(explicit: str | None, source: str, precisions, log) -> Path:
+    """The HF folder genai's builder reads for the target ``source`` (``explicit``: --hf-target). For a GGUF
+    source it is the exporter's converted folder, made now (:func:`converted_folder`) unless a genai model of
+    every one of ``precisions`` was already built from it (then only its name is needed)."""
+    hf_dir = hf_folder(explicit, source)
+    if hf_dir is None:
+        named = converted_folder(source, log, convert=False)
+        built = named is not None and all((genai_model_dir(named, p) / "genai_config.json").is_file()
+                                          for p in precisions)
+        hf_dir = named if built else converted_folder(source, log)
+    if hf_dir is None:
+        raise PeerSkipped(f"no HF checkpoint for the target ({source}) to build a genai model from; pass "
+                          "--hf-target (or install the export extra to convert the GGUF file)")
+    return hf_dir
+
+
+def genai_model_dir(hf_dir: Path, precision: str) -> Path:
+    """Where :func:`build_genai_model` keeps the genai model of ``hf_dir`` at ``precision``."""
+    return _cache() / "bench" / "genai" / f"{hf_dir.name}-{precision}"
+
+
 def build_genai_model(hf_dir: Path, precision: str, log) -> Path:
     """Run onnxruntime-genai's model builder once per (checkpoint, precision); cached."""
-    out = _cache() / "bench" / "genai" / f"{hf_dir.name}-{precision}"
+    out = genai_model_dir(hf_dir, precision)
     if (out / "genai_config.json").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
@@ -340,11 +389,8 @@ def setup_genai(ctx: "PeerContext", log) -> PeerSession:
     except ImportError:
         raise PeerSkipped("onnxruntime-genai is not installed (pip install onnxruntime-genai)") from None
     opts = ctx.peer_options
-    hf_dir = hf_folder(opts.get("hf_target"), ctx.manifest.target.source)
-    if hf_dir is None:
-        raise PeerSkipped(f"no HF checkpoint for the target ({ctx.manifest.target.source}) to build a genai model "
-                          "from; pass --hf-target")
     precisions = opts.get("genai_precision") or ("int4",)
+    hf_dir = genai_source(opts.get("hf_target"), ctx.manifest.target.source, precisions, log)
     k = opts.get("lookup_tokens") or ctx.manifest.speculation.max_draft_tokens
     notes: list[str] = []
     models = {}

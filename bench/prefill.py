@@ -65,13 +65,11 @@ def genai(bundle: Path, threads: int, max_len: int, log) -> PrefillRunner:
     import onnxruntime_genai as og
 
     from ..bundle.manifest import load_manifest
-    from .peers import PeerSkipped, build_genai_model, hf_folder, set_genai_threads
+    from .peers import build_genai_model, genai_source, set_genai_threads
 
     manifest = load_manifest(bundle, verify_checksums=False)
-    hf_dir = hf_folder(None, manifest.target.source)
-    if hf_dir is None:
-        raise PeerSkipped(f"no HF checkpoint for {manifest.target.source} to build a genai model from")
     precision = "int4" if manifest.target.precision == "int4" else "fp32"
+    hf_dir = genai_source(None, manifest.target.source, (precision,), log)
     folder = build_genai_model(hf_dir, precision, log)
     set_genai_threads(folder, threads)
     model = og.Model(str(folder))

@@ -65,7 +65,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _converted_cache_dir(gguf: Path) -> Path:
+def converted_cache_dir(gguf: Path) -> Path:
+    """Where :func:`load_gguf` keeps ``gguf``'s converted HF folder (it may not exist yet): keyed by the file's
+    path, size and modification time, so a changed file is converted again."""
     from .fetch import cache_dir
 
     st = gguf.stat()
@@ -81,7 +83,7 @@ def load_gguf(path: Path, *, quiet: bool = False, into: Path | None = None) -> t
     caller deletes when done (a float32 copy is 4 bytes a parameter: 7 GB for 1.5B). Either way, a
     copy the cache already holds is reused.
     """
-    out = _converted_cache_dir(path)
+    out = converted_cache_dir(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out, f"gguf:{path.name}"
     if into is None:

@@ -461,6 +461,50 @@ def test_a_self_draft_has_no_hf_checkpoint_and_gguf_sources_map_to_the_cache(tmp
         peers.hf_folder(str(tmp_path), "")
 
 
+class _Notes:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def note(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def test_genai_is_built_from_a_gguf_converted_on_demand_or_found_by_name(tmp_path, monkeypatch):
+    """With no converted folder cached, the genai peer converts the bundle's GGUF file once (the exporter's
+    cache folder); a genai model already built from that folder needs only its name, not a new conversion;
+    with no GGUF file at hand it is skipped and says what to pass."""
+    from specedge.bench import peers
+    from specedge.export import loader
+
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
+    with pytest.raises(peers.PeerSkipped, match="no HF checkpoint for the target .*--hf-target"):
+        peers.genai_source(None, "gguf:m.Q4_1.gguf", ("int4",), _Notes())
+    gguf = tmp_path / "models" / "m" / "m.Q4_1.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF")
+    named = loader.converted_cache_dir(gguf)
+    conversions = []
+
+    def fake_load_gguf(path, *, quiet=False, into=None):
+        conversions.append(path)
+        named.mkdir(parents=True)
+        (named / "config.json").write_text("{}")
+        return named, f"gguf:{path.name}"
+
+    monkeypatch.setattr(loader, "load_gguf", fake_load_gguf)
+    built = peers.genai_model_dir(named, "int4")
+    built.mkdir(parents=True)
+    (built / "genai_config.json").write_text("{}")
+    notes = _Notes()
+    assert peers.genai_source(None, "gguf:m.Q4_1.gguf", ("int4",), notes) == named
+    assert conversions == [] and not named.exists()  # the built model is found by the folder's name
+    assert peers.genai_source(None, "gguf:m.Q4_1.gguf", ("int4", "fp32"), notes) == named  # fp32 is not built
+    assert conversions == [gguf] and (named / "config.json").is_file()
+    assert any("converting m.Q4_1.gguf to an HF folder" in line for line in notes.lines)
+    assert peers.genai_source(None, "gguf:m.Q4_1.gguf", ("fp32",), notes) == named  # converted once
+    assert conversions == [gguf]
+
+
 def test_plot_needs_matplotlib_and_says_how_to_get_it(quick_run, tmp_path, monkeypatch):
     _, doc, _ = quick_run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
