@@ -523,19 +523,24 @@ class QualityScore:
 
     ``positions``: predicted positions (every chunk's tokens but its first). ``perplexity`` =
     exp(mean negative log-likelihood over them). ``source_perplexity`` and ``top1_agreement``
-    (share of positions whose argmax equals the source's) are both None when scored alone.
+    (share of positions whose argmax equals the source's) are both None when scored alone;
+    ``kl_divergence``: the mean KL(source || bundle) per position in nats (quality/metrics.py), None
+    when scored alone or in a manifest written before it was measured.
     """
 
     positions: int
     perplexity: float
     source_perplexity: float | None = None
     top1_agreement: float | None = None
+    kl_divergence: float | None = None
 
-    FIELDS = ("positions", "perplexity", "source_perplexity", "top1_agreement")
+    FIELDS = ("positions", "perplexity", "source_perplexity", "top1_agreement", "kl_divergence")
 
     def __post_init__(self) -> None:
         if (self.source_perplexity is None) != (self.top1_agreement is None):
             raise InvalidParameterError("a quality score has a source perplexity and a top-1 agreement, or neither")
+        if self.kl_divergence is not None and self.source_perplexity is None:
+            raise InvalidParameterError("a quality score has a KL divergence only when scored with the source")
 
     @property
     def perplexity_ratio(self) -> float | None:
@@ -554,13 +559,15 @@ class QualityScore:
             raise ManifestError(f"manifest field '{where}.positions' must be >= 1, got {positions}")
         source = read_field(obj, "source_perplexity", where, (int, float), optional=True)
         agreement = read_field(obj, "top1_agreement", where, (int, float), optional=True)
+        kl = read_field(obj, "kl_divergence", where, (int, float), optional=True)
         try:
             return cls(positions=positions,
                        perplexity=finite(read_field(obj, "perplexity", where, (int, float)),
                                          f"{where}.perplexity", positive=True),
                        source_perplexity=(None if source is None
                                           else finite(source, f"{where}.source_perplexity", positive=True)),
-                       top1_agreement=None if agreement is None else _fraction(agreement, f"{where}.top1_agreement"))
+                       top1_agreement=None if agreement is None else _fraction(agreement, f"{where}.top1_agreement"),
+                       kl_divergence=None if kl is None else finite(kl, f"{where}.kl_divergence"))
         except InvalidParameterError as exc:
             raise ManifestError(f"manifest field '{where}': {exc}") from None
 

@@ -16,11 +16,13 @@ def _number(value: float | None, spec: str) -> str:
 
 def _table(report) -> list[str]:
     r = report.record
-    lines = [f"{'text':14s} {'tokens':>7s} {'ppl bundle':>11s} {'ppl source':>11s} {'ratio':>7s} {'top-1 agree':>12s}"]
+    lines = [f"{'text':14s} {'tokens':>7s} {'ppl bundle':>11s} {'ppl source':>11s} {'ratio':>7s} {'top-1 agree':>12s} "
+             f"{'KL (nats)':>10s}"]
     rows = list(r.kinds.items()) + [("overall", r.overall)]
     for name, s in rows:
         lines.append(f"{name[:14]:14s} {s.positions:7d} {s.perplexity:11.3f} {_number(s.source_perplexity, '11.3f'):>11s} "
-                     f"{_number(s.perplexity_ratio, '7.4f'):>7s} {_number(s.top1_agreement, '12.3f'):>12s}")
+                     f"{_number(s.perplexity_ratio, '7.4f'):>7s} {_number(s.top1_agreement, '12.3f'):>12s} "
+                     f"{_number(s.kl_divergence, '10.4f'):>10s}")
     return lines
 
 
@@ -41,7 +43,8 @@ def _table(report) -> list[str]:
 def eval_command(bundle: Path, texts: tuple[Path, ...], chunk: int | None, max_tokens: int | None, source: str | None,
                  no_source: bool, as_json: bool, quiet: bool, **kw) -> None:
     """Perplexity of the bundle's target graph and of its source checkpoint on the same tokens,
-    their ratio, and top-1 agreement (share of positions where both argmaxes agree).
+    their ratio, top-1 agreement (share of positions where both argmaxes agree) and the mean KL
+    divergence of the bundle's next-token distributions from the source's (nats per token).
 
     Speed is worth nothing if the model got worse on the way in. The source runs in
     transformers (the export extra); without it, the bundle is scored alone with a note.

@@ -418,6 +418,8 @@ def _quality_line(record) -> str:
     if s.source_perplexity is not None:
         line += (f", source {s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement "
                  f"{s.top1_agreement:.3f}")
+        if s.kl_divergence is not None:  # measured since 2026-12-07
+            line += f", KL divergence {s.kl_divergence:.4f} nats"
     return line + " (`specedge eval BUNDLE` for the full set)"
 
 

@@ -113,6 +113,7 @@ def export_quality(graph: Path, entry, codec, model: Any, source: str, note: Cal
                       on_chunk=bundle_chunk)
     s = record.overall
     note(f"quality on {s.positions} tokens of built-in text: perplexity {s.perplexity:.3f} vs source "
-         f"{s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement {s.top1_agreement:.3f}")
+         f"{s.source_perplexity:.3f} (ratio {s.perplexity_ratio:.4f}), top-1 agreement {s.top1_agreement:.3f}, "
+         f"KL divergence {s.kl_divergence:.4f} nats")
     return record
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..bundle.extra import QualityRecord
 from ..errors import InvalidParameterError
-from .metrics import Tally, token_scores
+from .metrics import Tally, kl_divergence, token_scores
 
 # Built-in held-out texts (quality/texts/<kind>.txt, written for this purpose): a few hundred
 # words each, the kinds of text specedge's users decode.
@@ -173,7 +173,8 @@ def run_eval(plan: EvalPlan, target: Scorer, source: Scorer | None = None, *, so
                 if source_logits.shape[-1] != vocab:
                     raise InvalidParameterError(f"the source scores {source_logits.shape[-1]} tokens, the bundle "
                                                 f"{vocab}: not the checkpoint the bundle was exported from")
-                tally.add(nll, top1, *token_scores(source_logits[:len(targets)], targets))
+                tally.add(nll, top1, *token_scores(source_logits[:len(targets)], targets),
+                          kl=kl_divergence(source_logits[:len(targets)], target_logits[:len(targets)]))
             else:
                 tally.add(nll, top1)
             if on_chunk is not None:

@@ -25,7 +25,7 @@ from tiny_models import edit_manifest, word
 
 # 400 tiny-vocabulary words in a fixed, varied order (ids 6..299: no control tokens).
 TEXT = " ".join(word(6 + (i * 37 + i * i) % 294) for i in range(400))
-SCORE_KEYS = {"positions", "perplexity", "source_perplexity", "perplexity_ratio", "top1_agreement"}
+SCORE_KEYS = {"positions", "perplexity", "source_perplexity", "perplexity_ratio", "top1_agreement", "kl_divergence"}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,7 @@ def test_an_fp32_bundle_scores_as_its_source(llama_bundle):
     assert s.positions == 4 * 99  # 400 tokens, chunks of 100, no BOS rule: each chunk's first is context
     assert s.perplexity == pytest.approx(s.source_perplexity, rel=1e-3)
     assert s.top1_agreement == 1.0
+    assert 0.0 <= s.kl_divergence < 1e-5  # one model in two runtimes: float noise only
 
 
 def _sampled_texts(folder, seeds=(0, 1, 2), length=200) -> list[EvalText]:
@@ -84,6 +85,7 @@ def test_an_int4_target_is_no_better_than_its_source(tiny_model, int4_target_bun
     assert s.positions == 3 * 199  # every text in one chunk: every token but the first predicted
     assert s.perplexity_ratio >= 1.0
     assert s.top1_agreement < 1.0  # quantization changed some argmaxes
+    assert s.kl_divergence > 1e-4  # and every distribution a little
 
 
 def test_export_records_a_short_eval_that_round_trips_and_info_prints(llama_bundle):
@@ -118,9 +120,9 @@ def test_the_table_and_the_built_in_set(llama_bundle):
     result = _invoke(llama_bundle, "--max-tokens", 40, "--threads", 1)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert "ppl bundle" in lines[1] and "ppl source" in lines[1] and "top-1 agree" in lines[1]
+    assert "ppl bundle" in lines[1] and "ppl source" in lines[1] and "top-1 agree" in lines[1] and "KL" in lines[1]
     assert [line.split()[0] for line in lines[2:]] == ["prose", "code", "dialogue", "tool_call", "overall"]
-    assert all(re.search(r" 1\.000$", line) for line in lines[2:])  # fp32: every argmax agrees
+    assert all(re.search(r" 1\.000 +0\.0000$", line) for line in lines[2:])  # fp32: every argmax agrees, no KL
     assert "eval [" in result.stderr  # the progress bar
 
 

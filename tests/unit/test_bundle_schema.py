@@ -38,7 +38,8 @@ STOPPED_TUNING = QuantTuning(machine=MACHINE, candidates=(BlockCandidate(32, 67.
                                                           BlockCandidate(64, 60.0, 101.0, 0.981, True, 66.4)),
                              chosen=64, positions=144, context=256, step_rows=1, stopped=True)
 QUALITY = QualityRecord(chunk=512, max_tokens=96, source="gguf:model.Q4_K_M.gguf",
-                        kinds={"prose": QualityScore(95, 12.5, 9.3, 0.845), "code": QualityScore(95, 3.1, 2.9, 0.93)},
+                        kinds={"prose": QualityScore(95, 12.5, 9.3, 0.845, 0.21),  # a KL (recorded since 2026-12-07)
+                               "code": QualityScore(95, 3.1, 2.9, 0.93)},  # and none (a manifest from before)
                         overall=QualityScore(190, 6.2, 5.2, 0.8875))
 EXTRA = ManifestExtra(
     validation={"target:fp32": ValidationRecord({"prefill": 1e-5, "verify across edge 32": 2e-5}, 0.01, 1.0),
@@ -186,6 +187,9 @@ MALFORMED = [
     ("quality.overall.source_perplexity", float("nan"), r"'extra.quality.overall.source_perplexity' must be a "
                                                         r"finite number > 0"),
     ("quality.overall.perplexity_ratio", 1.2, r"'extra.quality.overall.perplexity_ratio' is not part of the schema"),
+    ("quality.kinds.prose.kl_divergence", -0.1, r"'extra.quality.kinds.prose.kl_divergence' must be a finite number "
+                                                r">= 0"),
+    ("quality.kinds.prose.kl_divergence", float("inf"), r"'extra.quality.kinds.prose.kl_divergence' must be a finite"),
     ("quality.source", 3, r"'extra.quality.source' must be str"),
 ]
 

@@ -21,7 +21,7 @@ import pytest
 from specedge.errors import InvalidParameterError
 from specedge.quality.evaluate import (BUILTIN_KINDS, EvalText, builtin_texts, chunk_ids, plan_eval, read_texts,
                                        run_eval)
-from specedge.quality.metrics import Tally, token_scores
+from specedge.quality.metrics import Tally, kl_divergence, token_scores
 
 
 def test_token_scores_equal_a_hand_computation():
@@ -45,21 +45,46 @@ def test_token_scores_refuse_shapes_that_do_not_match():
         token_scores(np.zeros((1, 4)), np.array([4]))
 
 
+def test_kl_divergence_equals_a_hand_computation():
+    source = np.array([[math.log(3.0), 0.0, 0.0, -np.inf],  # p = [3/5, 1/5, 1/5, 0]
+                       [1.0, 2.0, 3.0, 4.0]], np.float32)
+    bundle = np.array([[0.0, 0.0, 0.0, 0.0],  # q uniform
+                       [1.0, 2.0, 3.0, 4.0]], np.float32)
+    kl = kl_divergence(source, bundle)
+    p = np.array([0.6, 0.2, 0.2])
+    assert kl.dtype == np.float64
+    assert kl[0] == pytest.approx(float((p * np.log(p / 0.25)).sum()), rel=1e-6)  # the -inf token adds nothing
+    assert kl[1] == 0.0  # one distribution: nothing diverges (never a rounding -0)
+    assert (kl_divergence(bundle, source)[:1] == np.inf).all()  # the bundle gives 0 where the source does not
+    big = np.random.default_rng(0).normal(size=(130, 50)) * 30  # more rows than one block, large logits
+    other = big + np.random.default_rng(1).normal(size=big.shape)
+    by_hand = [float((np.exp(a - np.logaddexp.reduce(a)) * ((a - np.logaddexp.reduce(a))
+                                                              - (b - np.logaddexp.reduce(b)))).sum())
+               for a, b in zip(big, other)]
+    assert kl_divergence(big, other) == pytest.approx(by_hand, rel=1e-9, abs=1e-12)
+    with pytest.raises(InvalidParameterError, match="two logits arrays"):
+        kl_divergence(np.zeros((2, 4)), np.zeros((2, 5)))
+
+
 def test_tally_perplexity_ratio_and_agreement():
     tally = Tally()
     tally.add(np.array([math.log(4.0), math.log(4 / 3)]), np.array([1, 2]),
-              np.array([math.log(2.0), math.log(2.0)]), np.array([1, 5]))
+              np.array([math.log(2.0), math.log(2.0)]), np.array([1, 5]), kl=np.array([0.25, 0.75]))
     score = tally.score()
     assert score.positions == 2
     assert score.perplexity == pytest.approx(4 / math.sqrt(3))  # exp((ln 4 + ln 4/3) / 2)
     assert score.source_perplexity == pytest.approx(2.0)
     assert score.perplexity_ratio == pytest.approx(2 / math.sqrt(3))
     assert score.top1_agreement == 0.5
+    assert score.kl_divergence == pytest.approx(0.5)
     alone = Tally()
     alone.add(np.array([0.5]), np.array([0]))
     assert alone.score().source_perplexity is None and alone.score().perplexity_ratio is None
+    assert alone.score().kl_divergence is None
     with pytest.raises(InvalidParameterError, match="with the source, or none is"):
-        alone.add(np.array([0.5]), np.array([0]), np.array([0.5]), np.array([0]))
+        alone.add(np.array([0.5]), np.array([0]), np.array([0.5]), np.array([0]), kl=np.array([0.0]))
+    with pytest.raises(InvalidParameterError, match="needs its KL divergence per position"):
+        Tally().add(np.array([0.5]), np.array([0]), np.array([0.5]), np.array([0]))
 
 
 @pytest.mark.parametrize("bos, want", [
@@ -121,10 +146,19 @@ def test_run_eval_scores_both_models_on_the_same_chunks_against_a_hand_sum(add_b
                 count += 1
         sums[seed] = (total, count, argmax)
     total, count, argmax = sums[1]
+    bundle_table, source_table = (np.random.default_rng(seed).normal(size=(VOCAB, VOCAB)).astype(np.float32)
+                                  .astype(np.float64) for seed in (1, 2))
+    kls = []
+    for ids in bundle_calls:
+        for i in range(len(ids) - 1):
+            p_log = source_table[ids[i]] - np.logaddexp.reduce(source_table[ids[i]])
+            q_log = bundle_table[ids[i]] - np.logaddexp.reduce(bundle_table[ids[i]])
+            kls.append(float((np.exp(p_log) * (p_log - q_log)).sum()))
     assert record.overall.positions == count
     assert record.overall.perplexity == pytest.approx(math.exp(total / count), rel=1e-9)
     assert record.overall.source_perplexity == pytest.approx(math.exp(sums[2][0] / count), rel=1e-9)
     assert record.overall.top1_agreement == pytest.approx(np.mean(np.array(argmax) == np.array(sums[2][2])))
+    assert record.overall.kl_divergence == pytest.approx(np.mean(kls), rel=1e-9)
     expected_positions = 22 + 3 + 3 + 4 if add_bos else 20 + 4 + 3
     # with BOS: chunks of BOS + 7 text tokens predict every text token; without: chunk 8 -> 7 predicted each
     assert count == expected_positions
