@@ -322,7 +322,8 @@ class QuantizedTensor:
     ``bits``: 4 or 8; ``block_size``: input-axis elements per scale; ``symmetric``: no zero points
     (else uint8 zero points, ``bits`` wide, one per block); ``method``: "rtn" (each block's min/max
     range), "search" (each block's scale and zero point chosen for the least squared error) or
-    "imatrix" (that error weighted by the input channels' activation importance, export/importance.py);
+    "imatrix" (that error weighted by the input channels' activation importance, export/importance.py)
+    or "gptq" (rounded input channel by channel with error feedback through the inputs' second moment);
     ``elements``: the weight's element count (bits per weight are computed from it); ``shares``: the
     weight whose integers this one reads instead of storing its own ("embed" for a tied output layer,
     export/rtn.py), or "" when it stores them.
@@ -335,7 +336,7 @@ class QuantizedTensor:
     elements: int
     shares: str = ""
 
-    METHODS = ("rtn", "search", "imatrix")
+    METHODS = ("rtn", "search", "imatrix", "gptq")
     FIELDS = ("bits", "block_size", "symmetric", "method", "elements", "shares")
 
     def bits_per_weight(self) -> float:

@@ -283,16 +283,17 @@ class _ModelExporter:
 
     def _importance(self, role: str, bits: int, spec, src_entry: ModelEntry, src_graph: Path) -> dict | None:
         """Each weight's activation importance on the calibration texts (export/importance.py), when the mix
-        weighs its rounding by it; else None.
+        weighs its rounding by it (for a ``-gptq`` mix, each input's whole second moment); else None.
 
         Measured on the fp32 graph where the export validates it whole (its session fits the same memory);
         above that, on a round-to-nearest int4 copy (about an eighth of the fp32 session's memory), whose
         activations carry int4 rounding: the channels' ranking, which the weighting needs, survives it."""
-        from .importance import activation_importance, calibration_ids
-        from .mixquant import IMATRIX
+        from .importance import activation_importance, activation_moments, calibration_ids
+        from .mixquant import GPTQ, IMATRIX
         from .quantize import QuantConfig, quantize_graph
 
-        if bits != 4 or not self.config.quant_mix.endswith(IMATRIX):
+        gptq = self.config.quant_mix.endswith(GPTQ)
+        if bits != 4 or not (gptq or self.config.quant_mix.endswith(IMATRIX)):
             return None
         ids = calibration_ids(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                               src_entry.max_context)
@@ -305,12 +306,11 @@ class _ModelExporter:
             probe_dir.mkdir()
             probe = quantize_graph(src_graph, probe_dir / src_graph.name, QuantConfig(bits=4, block_size=32),
                                    progress=self._eta(f"{role}: the int4 copy", 1, "weights").update)[0]
-        self.progress(f"{role}: measuring activation importance on the calibration texts"
-                      f" ({sum(len(i) for i in ids)} tokens)")
+        what = "activation second moments" if gptq else "activation importance"
+        self.progress(f"{role}: measuring {what} on the calibration texts ({sum(len(i) for i in ids)} tokens)")
         try:
-            importance = activation_importance(
-                src_entry, probe, ids, weights_of=src_graph,
-                progress=self._eta(f"{role}: activation importance", 1, "chunks").update)
+            importance = (activation_moments if gptq else activation_importance)(
+                src_entry, probe, ids, weights_of=src_graph, progress=self._eta(f"{role}: {what}", 1, "chunks").update)
         finally:
             shutil.rmtree(probe_dir, ignore_errors=True)
         release_memory()  # the probe's session

@@ -13,10 +13,16 @@ extra output and run over the calibration texts (export/calibration/*.txt: prose
 tool-call JSON written for this, none of them the eval texts of quality/texts), so every family the
 exporter writes is covered, without torch. export/mixquant.py's searched forms weigh each element's
 squared error by its channel's importance.
+
+The ``-gptq`` mixes need the whole second moment ``E[x xᵀ]`` [K, K] of each input, not only its
+diagonal (export/mixquant.py ``_gptq``): :func:`activation_moments` keeps, per input, whichever is
+smaller, the running ``xᵀx`` or the calibration activations themselves (an MLP down projection's K is
+larger than the calibration's token count), and forms the moment when a weight asks for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -55,6 +61,66 @@ def weighted_inputs(graph: Path) -> dict[str, list[str]]:
     return taps
 
 
+class _Moment:
+    """The running second moment of one input [K]: ``xᵀx`` [K, K] float32, or, while that would be bigger than
+    the activations themselves (K > tokens), the activations [n, K] float32, multiplied out on request."""
+
+    def __init__(self, k: int, tokens: int) -> None:
+        self.stack = k > tokens
+        self.rows: list[np.ndarray] = []
+        self.product = None if self.stack else np.zeros((k, k), np.float64)
+
+    def add(self, x: np.ndarray) -> None:
+        if self.stack:
+            self.rows.append(np.asarray(x, np.float32))
+        else:
+            x = np.asarray(x, np.float32)  # one chunk's product in float32 (fast), the running sum in float64
+            self.product += x.T @ x
+
+    def mean(self, count: int) -> np.ndarray:
+        if self.stack:
+            x = np.concatenate(self.rows).astype(np.float64)
+            return (x.T @ x / max(count, 1)).astype(np.float32)
+        return (self.product / max(count, 1)).astype(np.float32)
+
+
+class Moments(Mapping):
+    """Weight name -> E[x xᵀ] [K, K] float32 of its input over the calibration tokens, formed on each lookup
+    from the input's :class:`_Moment` (weights that read one input share it; nothing [K, K] is kept that
+    the calibration's activations hold in less)."""
+
+    def __init__(self, moments: dict[str, _Moment], input_of: dict[str, str], count: int) -> None:
+        self._moments, self._input_of, self._count = moments, input_of, count
+
+    def __getitem__(self, weight: str) -> np.ndarray:
+        return self._moments[self._input_of[weight]].mean(self._count)
+
+    def __iter__(self):
+        return iter(self._input_of)
+
+    def __len__(self) -> int:
+        return len(self._input_of)
+
+
+def activation_moments(entry: "ModelEntry", graph: Path, token_lists: list[np.ndarray], *, threads: int = 0,
+                       weights_of: Path | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Moments:
+    """As :func:`activation_importance`, but each weight's whole input second moment E[x xᵀ] [K, K] (for the
+    ``-gptq`` mixes), formed when looked up."""
+    taps = weighted_inputs(weights_of or graph)
+    tokens = sum(len(ids) for ids in token_lists)
+    moments: dict[str, _Moment] = {}
+
+    def add(name: str, x: np.ndarray) -> None:
+        if name not in moments:
+            moments[name] = _Moment(x.shape[-1], tokens)
+        moments[name].add(x)
+
+    count = _run_taps(entry, graph, token_lists, taps, add, threads=threads, progress=progress)
+    return Moments(moments, {weight: name for name, weights in taps.items() for weight in weights if name in moments},
+                   count)
+
+
 def activation_importance(entry: "ModelEntry", graph: Path, token_lists: list[np.ndarray], *, threads: int = 0,
                           weights_of: Path | None = None,
                           progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
@@ -62,13 +128,29 @@ def activation_importance(entry: "ModelEntry", graph: Path, token_lists: list[np
     the fp32 graph ``weights_of`` (default ``graph``), measured by running ``graph`` (described by ``entry``):
     the fp32 graph itself, or, where a whole fp32 session would not fit the export's memory, a quantized copy
     of it (export/rtn.py keeps every MatMul's input name). ``progress(done, total)`` counts forwards."""
+    taps = weighted_inputs(weights_of or graph)
+    sums: dict[str, np.ndarray] = {}
+
+    def add(name: str, x: np.ndarray) -> None:
+        square = np.einsum("nk,nk->k", x, x)
+        sums[name] = square if name not in sums else sums[name] + square
+
+    count = _run_taps(entry, graph, token_lists, taps, add, threads=threads, progress=progress)
+    return {weight: (sums[name] / max(count, 1)).astype(np.float32) for name, weights in taps.items()
+            for weight in weights if name in sums}
+
+
+def _run_taps(entry: "ModelEntry", graph: Path, token_lists: list[np.ndarray], taps: dict[str, list[str]],
+              add: Callable[[str, np.ndarray], None], *, threads: int,
+              progress: Callable[[int, int], None] | None) -> int:
+    """Run ``graph`` over the calibration tokens with each tapped activation as an extra output; hand every
+    chunk's activation [n, K] float64 to ``add(name, x)``; return the tokens run."""
     import onnx
     from onnx import TensorProto, helper
 
     from ..engines.base import EngineOptions
     from ..engines.ort import OrtEngine
 
-    taps = weighted_inputs(weights_of or graph)
     model = onnx.load(str(graph), load_external_data=False)
     have = {o.name for o in model.graph.output}
     model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
@@ -78,7 +160,6 @@ def activation_importance(entry: "ModelEntry", graph: Path, token_lists: list[np
     onnx.save_model(model, str(probe))
     del model
     names = list(taps)
-    sums = {name: None for name in names}
     count = 0
     total = sum(-(-len(ids) // CHUNK) for ids in token_lists)
     done = 0
@@ -89,9 +170,7 @@ def activation_importance(entry: "ModelEntry", graph: Path, token_lists: list[np
             for start in range(0, len(ids), CHUNK):
                 chunk = ids[start:start + CHUNK]
                 for name, x in zip(names, engine.outputs(chunk, kv, names)):
-                    x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-                    square = np.einsum("nk,nk->k", x, x)
-                    sums[name] = square if sums[name] is None else sums[name] + square
+                    add(name, np.asarray(x, np.float64).reshape(-1, x.shape[-1]))
                 count += len(chunk)
                 done += 1
                 if progress is not None:
@@ -99,5 +178,4 @@ def activation_importance(entry: "ModelEntry", graph: Path, token_lists: list[np
         del engine
     finally:
         probe.unlink(missing_ok=True)
-    return {weight: (sums[name] / max(count, 1)).astype(np.float32) for name, weights in taps.items()
-            for weight in weights if sums[name] is not None}
+    return count

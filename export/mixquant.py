@@ -24,6 +24,12 @@ The forms are the ones ONNX Runtime's CPU kernels run without a slow path:
   weighted by its input channel's activation importance (export/importance.py), llama.cpp's importance
   matrix. Measured (docs/results/2026-12-07-shared-head-imatrix.md): SmolLM2's perplexity ratio
   1.049 -> 1.025, but Qwen2.5-Coder-0.5B's 1.041 -> 1.054, so it is offered by name, not by default.
+* **error feedback** (``gptq``, the ``-gptq`` mixes): the input channels are rounded one at a time and
+  each one's rounding error is pushed onto the channels not yet rounded, weighted by the inputs'
+  second moment ``H = E[x xᵀ]`` over calibration tokens, so that the *output* error ``x · (w - ŵ)``
+  stays small rather than each weight's own (GPTQ, Frantar et al. 2022, in its lazy-batch form with
+  per-block scales fixed when a block's first channel is reached). A block's scale and zero point
+  are searched as above on the updated weights, weighted by ``diag(H)``.
 
 numpy only; export/rtn.py writes the results into the graph.
 """
@@ -59,7 +65,8 @@ class TensorQuant:
     ``search``: each block's scale (and zero point) minimises the block's squared error over
     :data:`SEARCH_STEPS` candidate ranges instead of taking the min/max range; ``weighted`` (with
     ``search``): that error is weighted by each input channel's activation importance
-    (export/importance.py), llama.cpp's importance matrix.
+    (export/importance.py), llama.cpp's importance matrix; ``gptq`` (with ``weighted``): the channels are
+    rounded in order with error feedback through the inputs' second moment (:func:`_gptq_rows`).
     """
 
     bits: int
@@ -67,6 +74,7 @@ class TensorQuant:
     symmetric: bool
     search: bool = False
     weighted: bool = False
+    gptq: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -75,11 +83,13 @@ class TensorQuant:
             raise InvalidParameterError(f"block must be a power of two >= 16; got {self.block}")
         if self.weighted and not self.search:
             raise InvalidParameterError("weighted rounding needs a searched form (search=True)")
+        if self.gptq and not self.weighted:
+            raise InvalidParameterError("error-feedback rounding needs a weighted form (weighted=True)")
 
     @property
     def method(self) -> str:
         """The manifest's name for how blocks were chosen (bundle/extra.py QuantizedTensor.method)."""
-        return "imatrix" if self.weighted else "search" if self.search else "rtn"
+        return "gptq" if self.gptq else "imatrix" if self.weighted else "search" if self.search else "rtn"
 
     def bits_per_weight(self) -> float:
         """Stored bits per element: the integers, an fp32 scale per block, and a zero point per block
@@ -137,9 +147,12 @@ def quantize(weight: np.ndarray, form: TensorQuant, importance: np.ndarray | Non
 
     ``importance`` [K] (export/importance.py: the mean square of each input channel over calibration
     tokens): a searched form then minimises each block's squared error weighted by it, so the channels
-    that carry the activations' energy are rounded finest. Unsearched forms ignore it.
+    that carry the activations' energy are rounded finest. Unsearched forms ignore it. For a ``gptq``
+    form ``importance`` is the inputs' second moment [K, K] instead (its diagonal is the importance).
     """
     n, k = weight.shape
+    if form.gptq and importance is not None and np.ndim(importance) == 2:
+        return _gptq(np.asarray(weight, np.float32), form, importance)
     weights = None if importance is None or not form.search else _element_weights(importance, k)
     if k % form.block:
         pad = form.block - k % form.block
@@ -153,6 +166,80 @@ def quantize(weight: np.ndarray, form: TensorQuant, importance: np.ndarray | Non
              for i in range(0, n, _ROWS_PER_CHUNK)]
     return Blocks(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                   np.concatenate([p[2] for p in parts]), form.bits, form.symmetric)
+
+
+# GPTQ's dampening: this fraction of the mean diagonal is added to H's diagonal before it is inverted. H
+# from a few thousand calibration tokens is singular in the directions they never visit; the paper's 1%
+# keeps the feedback from chasing those (a channel that was silent gets no error pushed onto it).
+GPTQ_DAMP = 0.01
+# Channels rounded between two full updates of the channels after them (the paper's lazy batch: the same
+# arithmetic, regrouped so most of it is one matrix product).
+GPTQ_BATCH = 128
+GPTQ_ACT_ORDER = False
+
+
+def _gptq(weight: np.ndarray, form: TensorQuant, moment: np.ndarray) -> Blocks:
+    """``weight`` [N, K] as blocks of ``form``, rounded channel by channel with error feedback.
+
+    ``moment`` [K, K]: E[x xᵀ] of the inputs over calibration tokens. Rounding channel j by ``e`` raises
+    the output error by ``e H e``-weighted amounts that the not-yet-rounded channels can cancel: the
+    optimal correction is ``-e_j / U_jj * U_j,>j`` with U the upper Cholesky factor of H⁻¹ (GPTQ).
+    Each block's scale and zero point are searched (weighted by diag H) when its first channel comes up,
+    on the weights as corrected so far; the block's channels are then rounded with them one by one.
+    """
+    n, k = weight.shape
+    h = np.array(moment, np.float64)
+    if h.shape != (k, k):
+        raise InvalidParameterError(f"the second moment is {h.shape[0]} x {h.shape[1]}; the weight has {k} inputs")
+    block = form.block
+    if k % block:  # padded channels are silent: zero weights, no feedback
+        pad = block - k % block
+        weight = np.pad(weight, ((0, 0), (0, pad)))
+        h = np.pad(h, ((0, pad), (0, pad)))
+        k = weight.shape[1]
+    diag = np.diag(h).copy()
+    silent = diag <= 0
+    h[silent, silent] = 1.0
+    h[np.diag_indices(k)] += GPTQ_DAMP * max(float(diag[~silent].mean()) if (~silent).any() else 1.0, 1e-12)
+    element_weights = _element_weights(np.maximum(diag, 0), k).reshape(k // block, block)
+    w = np.array(weight, np.float32)
+    top = (1 << form.bits) - 1
+    q = np.empty((n, k), np.uint8)
+    if GPTQ_ACT_ORDER:
+        # every block's scale fixed up front from the source weights, then the channels rounded loudest first
+        _, scales, zero_points = _quantize_rows(w.reshape(n, k // block, block), form, element_weights)
+        order = np.argsort(-diag, kind="stable")
+    else:
+        scales = np.empty((n, k // block), np.float32)
+        zero_points = np.empty((n, k // block), np.uint8)
+        order = np.arange(k)
+    w = w[:, order]
+    h = h[np.ix_(order, order)]
+    # H⁻¹ = Uᵀ U, factored in float64; the feedback itself runs in float32, as the paper's does
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)
+    batch = max(GPTQ_BATCH, block)
+    for start in range(0, k, batch):
+        stop = min(start + batch, k)
+        part = w[:, start:stop].copy()
+        errors = np.zeros_like(part)
+        u = upper[start:stop, start:stop]
+        for j in range(stop - start):
+            channel = int(order[start + j])
+            g = channel // block
+            if not GPTQ_ACT_ORDER and channel % block == 0:  # the block's scale, from its weights as corrected so far
+                _, s, zp = _quantize_rows(part[:, j:j + block][:, None, :], form, element_weights[g:g + 1])
+                scales[:, g], zero_points[:, g] = s[:, 0], zp[:, 0]
+            scale = scales[:, g]
+            step = np.where(scale > 0, scale, 1.0)
+            zp_f = zero_points[:, g].astype(np.float32)
+            x = part[:, j]
+            level = np.clip(np.rint(x / step) + zp_f, 0, top)
+            q[:, channel] = level
+            error = (x - scale * (level - zp_f)) / u[j, j]
+            part[:, j + 1:] -= np.outer(error, u[j, j + 1:])
+            errors[:, j] = error
+        w[:, stop:] -= errors @ upper[start:stop, stop:]
+    return Blocks(q.reshape(n, k // block, block), scales, zero_points, form.bits, form.symmetric)
 
 
 def _element_weights(importance: np.ndarray, k: int) -> np.ndarray:
@@ -238,10 +325,12 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
     """
     if mix not in MIXES:
         raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
-    weighted = mix.endswith(IMATRIX)
-    base = mix[:-len(IMATRIX)] if weighted else mix  # the same forms, searched with importance weights
+    gptq = mix.endswith(GPTQ)
+    weighted = gptq or mix.endswith(IMATRIX)
+    # the same forms, searched with importance weights (and rounded with error feedback)
+    base = mix[:-len(GPTQ if gptq else IMATRIX)] if weighted else mix
     sym4 = TensorQuant(4, block, True)
-    asym4 = TensorQuant(4, block, False, search=base != "asym4-head8-rtn", weighted=weighted)
+    asym4 = TensorQuant(4, block, False, search=base != "asym4-head8-rtn", weighted=weighted, gptq=gptq)
     int8 = TensorQuant(8, block, True)
 
     def plan(name: str) -> TensorQuant:
@@ -263,6 +352,7 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
 
 
 IMATRIX = "-imatrix"  # a mix whose int4 search is weighted by activation importance ends so
+GPTQ = "-gptq"  # a mix whose int4 blocks are rounded with error feedback (and weighted search) ends so
 
 # Mix name -> what it does (export --quant-mix's help lists these).
 MIXES = {
@@ -276,6 +366,10 @@ MIXES = {
     "asym4-head8-imatrix": "asym4-head8 with each int4 block's search weighted by its input channels' activation "
                            "importance on calibration text (llama.cpp's importance matrix)",
     "asym4-head8-more-imatrix": "asym4-head8-more, its int4 search weighted by activation importance",
+    "asym4-head8-gptq": "asym4-head8-imatrix, its int4 blocks rounded input channel by input channel with each "
+                        "rounding error fed back to the channels after it (GPTQ) through the calibration inputs' "
+                        "second moment",
+    "asym4-head8-more-gptq": "asym4-head8-more, its int4 blocks rounded with error feedback (GPTQ)",
 }
 # The best perplexity ratio per stored bit measured on SmolLM2 and Qwen2.5-Coder-0.5B
 # (docs/results/2026-12-06-float-quantization.md).

@@ -150,7 +150,7 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
             form = plan(name)
             weights = None if importance is None else importance.get(name)
             if form.weighted and weights is None:
-                form = replace(form, weighted=False)
+                form = replace(form, weighted=False, gptq=False)
             blocks = quantize(np.ascontiguousarray(b.T), form, weights if form.weighted else None)
             return form, blocks.packed(), blocks.scales, None if form.symmetric else blocks.packed_zero_points()
 

@@ -1,0 +1,140 @@
+"""Error-feedback rounding (GPTQ) for the ``-gptq`` mixes (export/mixquant.py ``_gptq``, export/importance.py
+``activation_moments``; #37).
+
+Invariants:
+* the second moment handed to a weight is its input's E[x xᵀ] over the calibration tokens, however it was
+  held (the running product, or the activations where those are smaller);
+* with correlated inputs, the output error ``x · (w - ŵ)`` on held-out inputs drawn like the calibration's
+  is well below the importance-weighted search's, which sees only the diagonal;
+* with uncorrelated inputs (a diagonal moment) there is nothing to feed back: each block's weighted error is
+  no worse than the weighted search's;
+* a ``-gptq`` export records its searched int4 tensors as "gptq" and keeps speculation equal to plain greedy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specedge.errors import InvalidParameterError
+from specedge.export.mixquant import TensorQuant, quantize
+
+GPTQ_FORMS = [TensorQuant(4, 32, False, True, True, True), TensorQuant(4, 32, True, True, True, True)]
+
+
+def _correlated_inputs(seed: int, tokens: int, k: int) -> np.ndarray:
+    """[tokens, k]: mixed channels (correlated) with a few loud ones, as a transformer's hidden state has."""
+    rng = np.random.default_rng(seed)
+    mixing = np.random.default_rng(100).standard_normal((k, k)) / np.sqrt(k)
+    loudness = np.exp(np.random.default_rng(101).standard_normal(k))
+    return (rng.standard_normal((tokens, k)) @ mixing) * loudness
+
+
+@pytest.fixture(params=[False, True], ids=["in-order", "act-order"])
+def act_order(request, monkeypatch):
+    """Both channel orders: as they come (each block's scale searched when reached) and loudest first
+    (every block's scale fixed up front)."""
+    import specedge.export.mixquant as mq
+
+    monkeypatch.setattr(mq, "GPTQ_ACT_ORDER", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("form", GPTQ_FORMS, ids=str)
+def test_error_feedback_lowers_the_output_error_on_held_out_inputs(form, act_order):
+    k = 256
+    w = np.random.default_rng(3).standard_normal((96, k)).astype(np.float32)
+    x = _correlated_inputs(4, 1500, k)
+    moment = x.T @ x / len(x)
+    held_out = _correlated_inputs(5, 1500, k)
+    weighted = TensorQuant(form.bits, form.block, form.symmetric, True, weighted=True)
+
+    def output_error(blocks) -> float:
+        return float(np.mean((held_out @ (blocks.dequantize() - w).T) ** 2))
+
+    gptq, imatrix = output_error(quantize(w, form, moment)), output_error(quantize(w, weighted, np.diag(moment)))
+    assert gptq < 0.75 * imatrix, (gptq, imatrix)  # 0.54-0.56 of it in order, 0.40-0.41 loudest first
+
+
+def test_a_diagonal_moment_feeds_nothing_back(act_order):
+    """Uncorrelated inputs: each channel's rounding cannot be offset by another's, and rounding each block
+    with its searched scale is at least as good, block by block, as the weighted search's integers."""
+    w = np.random.default_rng(6).standard_normal((64, 128)).astype(np.float32)
+    importance = np.exp(np.random.default_rng(7).standard_normal(128)).astype(np.float32)
+    gptq = quantize(w, GPTQ_FORMS[0], np.diag(importance))
+    search = quantize(w, TensorQuant(4, 32, False, True, weighted=True), importance)
+    e = importance / importance.mean() + 0.01
+    per_block = lambda b: ((b.dequantize() - w) ** 2 * e).reshape(64, -1, 32).sum(-1)  # noqa: E731
+    np.testing.assert_array_equal(gptq.scales, search.scales)
+    assert (per_block(gptq) <= per_block(search) * (1 + 1e-5) + 1e-9).all()
+
+
+def test_a_padded_input_axis_and_silent_channels(act_order):
+    """K not a multiple of the block is padded (as the unweighted form pads it); a channel no calibration
+    token used (zero row and column of the moment) is still rounded, from its own weights."""
+    w = np.random.default_rng(8).standard_normal((16, 80)).astype(np.float32)
+    x = _correlated_inputs(9, 400, 80)
+    x[:, 5] = 0.0
+    blocks = quantize(w, GPTQ_FORMS[0], x.T @ x / len(x))
+    assert blocks.q.shape == (16, 3, 32)
+    assert np.isfinite(blocks.scales).all()
+    error = blocks.dequantize()[:, :80] - w
+    assert np.abs(error[:, 5]).max() <= blocks.scales[:, 0].max()  # within a level of its own value
+
+
+def test_bad_moments_are_refused():
+    with pytest.raises(InvalidParameterError, match="needs a weighted form"):
+        TensorQuant(4, 32, False, True, gptq=True)
+    with pytest.raises(InvalidParameterError, match="second moment is 5 x 5; the weight has 128 inputs"):
+        quantize(np.ones((4, 128), np.float32), GPTQ_FORMS[0], np.eye(5))
+
+
+@pytest.mark.parametrize("tokens", [40, 400], ids=["activations-kept", "product-kept"])
+def test_a_moment_is_the_same_however_it_is_held(tokens):
+    from specedge.export.importance import _Moment
+
+    x = _correlated_inputs(10, tokens, 96)
+    moment = _Moment(96, tokens)
+    assert moment.stack == (tokens < 96)
+    for start in range(0, tokens, 32):
+        moment.add(x[start:start + 32])
+    np.testing.assert_allclose(moment.mean(tokens), x.T @ x / tokens, rtol=1e-5, atol=1e-6)
+
+
+def test_moments_are_each_matmul_inputs_second_moment(tiny_model, export):
+    """On the fp32 graph, each weight's moment has the importance as its diagonal and is symmetric
+    positive semi-definite; a fused input's weights share one."""
+    from specedge.bundle.manifest import load_manifest
+    from specedge.export.importance import activation_importance, activation_moments
+
+    bundle = export(tiny_model("llama"), precision="fp32")
+    manifest = load_manifest(bundle)
+    graph = bundle / manifest.target.graph
+    ids = [np.random.default_rng(11).integers(3, 300, 150).astype(np.int64)]
+    moments = activation_moments(manifest.target, graph, ids, threads=1)
+    importance = activation_importance(manifest.target, graph, ids, threads=1)
+    assert set(moments) == set(importance)
+    for name, diag in importance.items():
+        m = moments[name]
+        np.testing.assert_allclose(np.diag(m), diag, rtol=1e-4, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(m, m.T, rtol=1e-5, atol=1e-7)
+        assert np.linalg.eigvalsh(m.astype(np.float64)).min() > -1e-4 * np.abs(m).max()
+
+
+def test_a_gptq_export_records_its_method_and_speculation_stays_exact(tiny_model, export, load_generator):
+    from specedge.bundle.manifest import load_manifest
+    from specedge.export.mixquant import make_plan
+
+    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", quant_mix="asym4-head8-more-gptq")
+    manifest = load_manifest(bundle)
+    plan = make_plan("asym4-head8-more-gptq", manifest.target.n_layers)
+    for role in ("target", "draft"):
+        record = manifest.extra.quantization[role]
+        assert record.mix == "asym4-head8-more-gptq"
+        for name, t in record.tensors.items():
+            assert t.method == ("gptq" if plan(name).search else "rtn"), name
+    gen = load_generator(bundle)
+    for prompt in ([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]):
+        plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
+        spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
+        assert spec.token_ids == plain.token_ids
