@@ -308,9 +308,15 @@ class _ModelExporter:
                                    progress=self._eta(f"{role}: the int4 copy", 1, "weights").update)[0]
         what = "activation second moments" if gptq else "activation importance"
         self.progress(f"{role}: measuring {what} on the calibration texts ({sum(len(i) for i in ids)} tokens)")
+        eta = self._eta(f"{role}: {what}", 1, "chunks")
         try:
-            importance = (activation_moments if gptq else activation_importance)(
-                src_entry, probe, ids, weights_of=src_graph, progress=self._eta(f"{role}: {what}", 1, "chunks").update)
+            if gptq:  # the activations kept whole go to the role's scratch folder, removed with it
+                spill = src_graph.parent / "moments"
+                spill.mkdir(exist_ok=True)
+                importance = activation_moments(src_entry, probe, ids, weights_of=src_graph, spill=spill,
+                                                progress=eta.update)
+            else:
+                importance = activation_importance(src_entry, probe, ids, weights_of=src_graph, progress=eta.update)
         finally:
             shutil.rmtree(probe_dir, ignore_errors=True)
         release_memory()  # the probe's session

@@ -63,25 +63,35 @@ def weighted_inputs(graph: Path) -> dict[str, list[str]]:
 
 class _Moment:
     """The running second moment of one input [K]: ``xᵀx`` [K, K] float32, or, while that would be bigger than
-    the activations themselves (K > tokens), the activations [n, K] float32, multiplied out on request."""
+    the activations themselves (K > tokens), the activations [tokens, K] float32, multiplied out on request.
 
-    def __init__(self, k: int, tokens: int) -> None:
+    ``spill``: a file for those activations (memory-mapped: the pages go to disk as they fill, so an 8B
+    model's 7 GB of calibration activations need not be resident); None keeps them in memory."""
+
+    def __init__(self, k: int, tokens: int, spill: Path | None = None) -> None:
         self.stack = k > tokens
-        self.rows: list[np.ndarray] = []
-        self.product = None if self.stack else np.zeros((k, k), np.float64)
+        self.filled = 0
+        self.product = None
+        if not self.stack:
+            self.product = np.zeros((k, k), np.float32)
+        elif spill is None:
+            self.rows = np.empty((tokens, k), np.float32)
+        else:
+            self.rows = np.memmap(spill, dtype=np.float32, mode="w+", shape=(tokens, k))
 
     def add(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float32)
         if self.stack:
-            self.rows.append(np.asarray(x, np.float32))
+            self.rows[self.filled:self.filled + len(x)] = x
         else:
-            x = np.asarray(x, np.float32)  # one chunk's product in float32 (fast), the running sum in float64
             self.product += x.T @ x
+        self.filled += len(x)
 
     def mean(self, count: int) -> np.ndarray:
         if self.stack:
-            x = np.concatenate(self.rows).astype(np.float64)
-            return (x.T @ x / max(count, 1)).astype(np.float32)
-        return (self.product / max(count, 1)).astype(np.float32)
+            x = self.rows[:self.filled]
+            return (x.T @ x) / np.float32(max(count, 1))
+        return self.product / np.float32(max(count, 1))
 
 
 class Moments(Mapping):
@@ -103,17 +113,18 @@ class Moments(Mapping):
 
 
 def activation_moments(entry: "ModelEntry", graph: Path, token_lists: list[np.ndarray], *, threads: int = 0,
-                       weights_of: Path | None = None,
+                       weights_of: Path | None = None, spill: Path | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Moments:
     """As :func:`activation_importance`, but each weight's whole input second moment E[x xᵀ] [K, K] (for the
-    ``-gptq`` mixes), formed when looked up."""
+    ``-gptq`` mixes), formed when looked up. ``spill``: a folder (existing) for the activations kept as they
+    are (:class:`_Moment`); the caller removes it when the moments are no longer needed."""
     taps = weighted_inputs(weights_of or graph)
     tokens = sum(len(ids) for ids in token_lists)
     moments: dict[str, _Moment] = {}
 
     def add(name: str, x: np.ndarray) -> None:
         if name not in moments:
-            moments[name] = _Moment(x.shape[-1], tokens)
+            moments[name] = _Moment(x.shape[-1], tokens, None if spill is None else spill / f"{len(moments)}.f32")
         moments[name].add(x)
 
     count = _run_taps(entry, graph, token_lists, taps, add, threads=threads, progress=progress)

@@ -89,13 +89,15 @@ def test_bad_moments_are_refused():
         quantize(np.ones((4, 128), np.float32), GPTQ_FORMS[0], np.eye(5))
 
 
-@pytest.mark.parametrize("tokens", [40, 400], ids=["activations-kept", "product-kept"])
-def test_a_moment_is_the_same_however_it_is_held(tokens):
+@pytest.mark.parametrize("tokens, spilled", [(40, False), (40, True), (400, False)],
+                         ids=["activations-in-memory", "activations-on-disk", "product"])
+def test_a_moment_is_the_same_however_it_is_held(tokens, spilled, tmp_path):
     from specedge.export.importance import _Moment
 
     x = _correlated_inputs(10, tokens, 96)
-    moment = _Moment(96, tokens)
+    moment = _Moment(96, tokens, tmp_path / "0.f32" if spilled else None)
     assert moment.stack == (tokens < 96)
+    assert (tmp_path / "0.f32").exists() == spilled
     for start in range(0, tokens, 32):
         moment.add(x[start:start + 32])
     np.testing.assert_allclose(moment.mean(tokens), x.T @ x / tokens, rtol=1e-5, atol=1e-6)
