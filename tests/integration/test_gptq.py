@@ -82,6 +82,31 @@ def test_a_padded_input_axis_and_silent_channels(act_order):
     assert np.abs(error[:, 5]).max() <= blocks.scales[:, 0].max()  # within a level of its own value
 
 
+def test_the_inverse_factor_with_and_without_torch(monkeypatch):
+    """U with H⁻¹ = Uᵀ U, upper triangular: through torch's triangular solve, and numpy's inverse where torch
+    is absent; the two agree."""
+    import builtins
+
+    from specedge.export.mixquant import _inverse_upper_factor
+
+    x = _correlated_inputs(12, 300, 64)
+    h = x.T @ x / 300 + 0.01 * np.eye(64)
+    with_torch = _inverse_upper_factor(h)
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    without = _inverse_upper_factor(h)
+    for u in (with_torch, without):
+        assert np.allclose(u, np.triu(u)) and (np.diag(u) > 0).all()
+        np.testing.assert_allclose(u.T @ u, np.linalg.inv(h), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(with_torch, without, rtol=1e-9, atol=1e-12)
+
+
 def test_bad_moments_are_refused():
     with pytest.raises(InvalidParameterError, match="needs a weighted form"):
         TensorQuant(4, 32, False, True, gptq=True)
