@@ -297,6 +297,10 @@ class _ModelExporter:
             return None
         ids = calibration_ids(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                               src_entry.max_context)
+        if not ids:  # a tokenizer whose ids all fall outside the graph's vocabulary (a test model's)
+            self.progress(f"{role}: no calibration token is in the model's vocabulary; its int4 blocks are searched "
+                          f"unweighted (recorded as 'search')")
+            return None
         probe_dir = src_graph.parent / "importance-probe"
         probe = src_graph
         if self._layered_validation(spec) is not None:

@@ -165,3 +165,13 @@ def test_a_gptq_export_records_its_method_and_speculation_stays_exact(tiny_model
         plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
         spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
         assert spec.token_ids == plain.token_ids
+
+
+def test_a_model_without_calibration_tokens_is_searched_and_recorded_so(tiny_model, export):
+    """The tiny qwen2 model's tokenizer encodes the calibration texts to ids beyond its graph's vocabulary: no
+    moments can be measured, so its int4 blocks are searched unweighted and the record says "search"."""
+    from specedge.bundle.manifest import load_manifest
+
+    bundle = export(tiny_model("qwen2"), precision="int4", quant_mix="asym4-head8-gptq")
+    record = load_manifest(bundle).extra.quantization["target"]
+    assert {t.method for name, t in record.tensors.items() if name.startswith("layers.")} == {"search"}
