@@ -247,14 +247,14 @@ class _ModelExporter:
             files = self._tuned_quantization(role, src_entry, src_graph, graph, bits, source, precision, spec,
                                              head_file)
         else:
-            mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
+            mix = self._mix(role) if bits == 4 else "rtn-sym8"
             importance = self._importance(role, bits, spec, src_entry, src_graph)
             self.progress(f"{role}: quantizing to {precision} (block {cfg.block_size}, mix {mix})")
             chosen: dict = {}
             eta = self._eta(f"{role}: quantizing", 1, "weights")
             files = quantize_graph(src_graph, graph, QuantConfig(bits=bits, block_size=cfg.block_size,
                                                                  accuracy_level=cfg.accuracy_level),
-                                   plan=self._plan(bits, spec.n_layers, cfg.block_size), chosen=chosen,
+                                   plan=self._plan(role, bits, spec.n_layers, cfg.block_size), chosen=chosen,
                                    tied=spec.tied_embeddings, importance=importance, progress=eta.update)
             self.quantization[role] = _quant_record(mix, chosen)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
@@ -272,14 +272,21 @@ class _ModelExporter:
         shutil.rmtree(scratch)
         return entry
 
-    def _plan(self, bits: int, n_layers: int, block: int):
-        """The per-tensor plan for ``--quant-mix`` at int4 (None: ONNX Runtime's own symmetric rounding, the
+    def _mix(self, role: str) -> str:
+        """``--quant-mix`` for ``role``; a draft takes a ``-gptq`` mix without its error feedback
+        (export/mixquant.py ``draft_mix``)."""
+        from .mixquant import draft_mix
+
+        return self.config.quant_mix if role == "target" else draft_mix(self.config.quant_mix)
+
+    def _plan(self, role: str, bits: int, n_layers: int, block: int):
+        """The per-tensor plan of ``role``'s mix at int4 (None: ONNX Runtime's own symmetric rounding, the
         layout of int8 and of mix rtn-sym4)."""
         from .mixquant import make_plan
 
-        if bits != 4 or self.config.quant_mix == "rtn-sym4":
+        if bits != 4 or self._mix(role) == "rtn-sym4":
             return None
-        return make_plan(self.config.quant_mix, n_layers, block)
+        return make_plan(self._mix(role), n_layers, block)
 
     def _importance(self, role: str, bits: int, spec, src_entry: ModelEntry, src_graph: Path) -> dict | None:
         """Each weight's activation importance on the calibration texts (export/importance.py), when the mix
@@ -292,8 +299,8 @@ class _ModelExporter:
         from .mixquant import GPTQ, IMATRIX
         from .quantize import QuantConfig, quantize_graph
 
-        gptq = self.config.quant_mix.endswith(GPTQ)
-        if bits != 4 or not (gptq or self.config.quant_mix.endswith(IMATRIX)):
+        gptq = self._mix(role).endswith(GPTQ)
+        if bits != 4 or not (gptq or self._mix(role).endswith(IMATRIX)):
             return None
         ids = calibration_ids(lambda text: list(self.loaded.tokenizer.encode(text)), src_entry.vocab_size,
                               src_entry.max_context)
@@ -405,7 +412,7 @@ class _ModelExporter:
 
         cfg = self.config
         scratch = src_graph.parent
-        mix = cfg.quant_mix if bits == 4 else "rtn-sym8"
+        mix = self._mix(role) if bits == 4 else "rtn-sym8"
         candidates: dict[int, Candidate] = {}
         files: dict[int, list[Path]] = {}
         chosen: dict[int, dict] = {}  # block -> each weight's form, for the manifest's record
@@ -420,7 +427,7 @@ class _ModelExporter:
                 eta = self._eta(f"tune: quantizing {role} at block {block}", 1, "weights")
                 written = quantize_graph(src_graph, folder / graph.name,
                                          QuantConfig(bits=bits, block_size=block, accuracy_level=cfg.accuracy_level),
-                                         plan=self._plan(bits, spec.n_layers, block), chosen=forms,
+                                         plan=self._plan(role, bits, spec.n_layers, block), chosen=forms,
                                          tied=spec.tied_embeddings, importance=importance, progress=eta.update)
                 entry = self._entry(role, written, source, precision, "float32", spec=spec, head_file=head_file)
                 files[block], chosen[block] = written, forms

@@ -261,33 +261,36 @@ def test_quantization_records_round_trip():
     bad["quantization"]["target"]["tensors"]["lm_head"]["bits"] = 3
     with pytest.raises(ManifestError, match=r"quantization\.target\.tensors\.lm_head\.bits"):
         ManifestExtra.from_dict(bad)
-    bad["quantization"]["target"]["tensors"]["lm_head"].update(bits=8, method="gptq")
+    bad["quantization"]["target"]["tensors"]["lm_head"].update(bits=8, method="awq")
     with pytest.raises(ManifestError, match="method"):
         ManifestExtra.from_dict(bad)
 
 
 @pytest.fixture(scope="module")
 def default_int4_bundle(tiny_model, export) -> Path:
-    """The llama tiny model at int4 (default mix) with a self-int4 draft of the same mix."""
+    """The llama tiny model at int4 (default mix) with a self-int4 draft (the default mix without error feedback)."""
     return export(tiny_model("llama"), draft="self-int4", precision="int4")
 
 
 def test_export_records_each_tensors_choice(default_int4_bundle, tiny_model, export):
     from specedge.bundle.manifest import load_manifest
+    from specedge.export.mixquant import draft_mix
 
     manifest = load_manifest(default_int4_bundle)
     n_layers = manifest.target.n_layers
-    plan = make_plan(DEFAULT_MIX, n_layers)
-    for role in ("target", "draft"):
+    assert draft_mix(DEFAULT_MIX) == "asym4-head8-more"
+    for role, mix in (("target", DEFAULT_MIX), ("draft", draft_mix(DEFAULT_MIX))):
+        plan = make_plan(mix, n_layers)
         record = manifest.extra.quantization[role]
-        assert record.mix == DEFAULT_MIX
+        assert record.mix == mix
         names = {f"layers.{i}.{w}" for i in range(n_layers) for w in ("qkv", "o", "gate_up", "down")}
         assert set(record.tensors) == names | {"lm_head", "embed"}
         for name, t in record.tensors.items():
             form = plan(name)
             assert (t.bits, t.block_size, t.symmetric, t.method) == (form.bits, form.block, form.symmetric,
-                                                                      "search" if form.search else "rtn"), name
+                                                                      form.method), name
             assert t.elements > 0
+        assert {t.method for t in record.tensors.values()} == {"gptq" if role == "target" else "search", "rtn"}
     # the legacy mix records its (uniform) choice too
     legacy = load_manifest(export(tiny_model("llama"), precision="int4", quant_mix="rtn-sym4"))
     assert {(t.bits, t.symmetric, t.method) for t in legacy.extra.quantization["target"].tensors.values()} == \
