@@ -185,6 +185,14 @@ def hf_greedy(model: Any, input_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(input_ids):].tolist()
 
 
+def assert_model_drafts_equal_plain(gen, prompts=([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]), n: int = 24) -> None:
+    """Exact-mode speculation with the bundle's draft model equals plain greedy decoding on ``prompts``."""
+    for prompt in prompts:
+        plain = gen.generate(input_ids=prompt, max_new_tokens=n, speculation=False, chat=False, exact=True)
+        spec = gen.generate(input_ids=prompt, max_new_tokens=n, chat=False, drafter="model", exact=True)
+        assert spec.token_ids == plain.token_ids, prompt
+
+
 def edit_manifest(bundle: Path, edit) -> dict:
     """Apply ``edit(obj)`` to bundle/manifest.json in place (manifest.json has no checksum of its own)."""
     path = Path(bundle) / "manifest.json"

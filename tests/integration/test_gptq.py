@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from specedge.errors import InvalidParameterError
+from tiny_models import assert_model_drafts_equal_plain
 from specedge.export.mixquant import TensorQuant, quantize
 
 GPTQ_FORMS = [TensorQuant(4, 32, False, True, True, True), TensorQuant(4, 32, True, True, True, True)]
@@ -162,11 +163,7 @@ def test_a_gptq_export_records_its_method_and_speculation_stays_exact(tiny_model
         assert record.mix == mix
         for name, t in record.tensors.items():
             assert t.method == (method if plan(name).search else "rtn"), name
-    gen = load_generator(bundle)
-    for prompt in ([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]):
-        plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
-        spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
-        assert spec.token_ids == plain.token_ids
+    assert_model_drafts_equal_plain(load_generator(bundle))
 
 
 def test_a_model_without_calibration_tokens_is_searched_and_recorded_so(tiny_model, export):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from specedge.errors import InvalidParameterError
+from tiny_models import assert_model_drafts_equal_plain
 from specedge.export.mixquant import TensorQuant, quantize
 
 SEARCHED = [TensorQuant(4, 32, False, search=True), TensorQuant(4, 32, True, search=True)]
@@ -114,11 +115,7 @@ def test_an_imatrix_export_records_its_method(tiny_model, export, load_generator
         assert record.mix == "asym4-head8-more-imatrix"
         for name, t in record.tensors.items():
             assert t.method == ("imatrix" if plan(name).search else "rtn"), name
-    gen = load_generator(bundle)
-    for prompt in ([1, 5, 9, 13, 2, 7], [1, 40, 41, 42]):
-        plain = gen.generate(input_ids=prompt, max_new_tokens=24, speculation=False, chat=False, exact=True)
-        spec = gen.generate(input_ids=prompt, max_new_tokens=24, chat=False, drafter="model", exact=True)
-        assert spec.token_ids == plain.token_ids
+    assert_model_drafts_equal_plain(load_generator(bundle))
 
 
 def test_a_large_model_measures_importance_on_an_int4_copy(tiny_model, export, tmp_path):
