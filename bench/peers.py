@@ -241,7 +241,8 @@ def setup_hf(ctx: "PeerContext", log) -> PeerSession:
         raise PeerSkipped("transformers/torch are not installed (pip install 'specedge[export]')") from None
     opts = ctx.peer_options
     manifest = ctx.manifest
-    target_dir = hf_folder(opts.get("hf_target"), manifest.target.source) or converted_folder(manifest.target.source, log)
+    source = manifest.target.source
+    target_dir = hf_folder(opts.get("hf_target"), source) or converted_folder(source, log)
     if target_dir is None:
         raise PeerSkipped(f"no HF checkpoint found for the target ({manifest.target.source}); pass --hf-target")
     draft_dir = None

@@ -20,7 +20,8 @@ def _table(report) -> list[str]:
              f"{'KL (nats)':>10s}"]
     rows = list(r.kinds.items()) + [("overall", r.overall)]
     for name, s in rows:
-        lines.append(f"{name[:14]:14s} {s.positions:7d} {s.perplexity:11.3f} {_number(s.source_perplexity, '11.3f'):>11s} "
+        lines.append(f"{name[:14]:14s} {s.positions:7d} {s.perplexity:11.3f} "
+                     f"{_number(s.source_perplexity, '11.3f'):>11s} "
                      f"{_number(s.perplexity_ratio, '7.4f'):>7s} {_number(s.top1_agreement, '12.3f'):>12s} "
                      f"{_number(s.kl_divergence, '10.4f'):>10s}")
     return lines

@@ -7,8 +7,9 @@ computed in float64 from a log-softmax of the logits. Top-1 agreement = the shar
 positions where the bundle's argmax equals the source's (both scored on the same chunks). KL
 divergence = the mean over predicted positions of KL(source || bundle) in nats, the whole
 next-token distributions compared (llama.cpp's ``perplexity --kl-divergence`` reports the same):
-unlike the perplexity ratio it cannot come out below the source by fitting the text better, and
-unlike top-1 it sees every probability, not only the first.
+it is 0 only for the source's own distributions and grows with any departure from them, whichever way
+the text's likelihood moves (a perplexity ratio below 1 is a departure too), and unlike top-1 it sees
+every probability, not only the first.
 
 numpy only.
 """
