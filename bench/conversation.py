@@ -15,6 +15,11 @@ Configurations:
 Configurations run interleaved turn by turn on separate Generators (one per configuration,
 same bundle), so machine noise hits each alike; greedy replies must be identical across them.
 
+``callers`` > 1: that many calls at once on each Generator (one cache slot each), round robin turn
+by turn, every call with the same system prompt and caller c speaking the user's turns rotated by c.
+A new call's first turn then finds the system prompt in another call's slot and copies it
+(runtime/slots.py) where ``cold`` prefills it; the summary's ``ttft_first_other_p50_s`` is that turn.
+
 The peer (``peer``, a :class:`PeerProcess` of ``llamacpp-conversation``, bench/peers.py): llama.cpp
 on the bundle's GGUF, given each turn's prompt token ids (the ``reuse`` history, so the same
 turns), cold and with its server's prompt cache (the longest common prefix kept); its rows sit
@@ -69,6 +74,7 @@ class TurnRecord:
     drafted: int = 0  # draft tokens verified this turn (0: speculation stayed off)
     peer: bool = False  # a peer's row: reused_tokens unknown (0), not part of the identity check
     same_reply: bool | None = None  # a peer's row: its reply equals ours token for token
+    caller: int = 0  # which of the concurrent calls (run_conversation's ``callers``)
 
 
 @dataclass
@@ -81,8 +87,10 @@ class ConversationReport:
         for config in dict.fromkeys(r.config for r in self.records):
             rows = [r for r in self.records if r.config == config]
             later = [r.ttft_s for r in rows if r.turn > 0]
+            others = [r.ttft_s for r in rows if r.turn == 0 and r.caller > 0]
             out[config] = {
                 "ttft_first_s": rows[0].ttft_s,
+                "ttft_first_other_p50_s": statistics.median(others) if others else None,
                 "ttft_later_p50_s": statistics.median(later) if later else None,
                 "ttft_later_p95_s": _p95(later),
                 "turn_p50_s": statistics.median(r.turn_s for r in rows),
@@ -104,6 +112,8 @@ class ConversationReport:
         """Per turn: prompt tokens and each configuration's (and peer's) time to first token, seconds."""
         out: dict[int, dict] = {}
         for r in self.records:
+            if r.caller:
+                continue  # the first call's turns (the others' are in ``turns``)
             row = out.setdefault(r.turn, {"turn": r.turn, "prompt_tokens": r.prompt_tokens, "ttft_s": {}})
             row["ttft_s"][r.config] = r.ttft_s
         return [out[t] for t in sorted(out)]
@@ -117,41 +127,52 @@ def _p95(values: list[float]) -> float | None:
 
 
 def run_conversation(generators: dict, conversation: Conversation, *, max_new_tokens: int = 48,
-                     speculation: bool = True, progress=None, peer=None) -> ConversationReport:
-    """Replay ``conversation`` on each configuration's Generator (``{config: Generator}``), and on
-    ``peer`` (``peer.configs``, ``peer.generate(job, config, n) -> PeerRun``) when given."""
+                     speculation: bool = True, progress=None, peer=None, callers: int = 1) -> ConversationReport:
+    """Replay ``conversation`` on each configuration's Generator (``{config: Generator}``, each with at
+    least ``callers`` cache slots), as ``callers`` concurrent calls (see the module docstring), and on
+    ``peer`` (``peer.configs``, ``peer.generate(job, config, n) -> PeerRun``; the first call's turns)."""
     unknown = set(generators) - set(CONFIGS)
     if unknown:
         raise InvalidParameterError(f"unknown conversation configuration(s) {sorted(unknown)}; known: "
                                     f"{', '.join(CONFIGS)}")
+    if isinstance(callers, bool) or not isinstance(callers, int) or callers < 1:
+        raise InvalidParameterError(f"callers must be an integer >= 1; got {callers!r}")
     report = ConversationReport()
-    histories = {c: [{"role": "system", "content": conversation.system}] for c in generators}
-    for turn, text in enumerate(conversation.turns):
-        replies = {}
-        for config, gen in generators.items():
-            messages = histories[config] + [{"role": "user", "content": text}]
-            options = dict(max_new_tokens=max_new_tokens, temperature=0.0, speculation=speculation,
-                           reuse_prefix=config != "cold")
-            if config == "reuse+prefill":
-                gen.prefill(messages=messages)  # the framework did this while the user spoke
-            out = gen.generate(messages=messages, **options)
-            s = out.stats
-            report.records.append(TurnRecord(config, turn, s.prompt_tokens, s.reused_tokens,
-                                             s.time_to_first_token_s, s.total_s, s.new_tokens, s.tokens_per_s,
-                                             s.acceptance, s.catchup_tokens, s.drafted))
-            replies[config] = out.token_ids
-            histories[config] = messages + [{"role": "assistant", "content": out.text}]
-            if progress is not None:
-                progress(config, turn)
-        report.identical &= len({tuple(r) for r in replies.values()}) == 1
+    histories = {(config, caller): [{"role": "system", "content": conversation.system}]
+                 for config in generators for caller in range(callers)}
+    n_turns = len(conversation.turns)
+    for turn in range(n_turns):
+        for caller in range(callers):
+            text = conversation.turns[(turn + caller) % n_turns]
+            replies = {}
+            for config, gen in generators.items():
+                messages = histories[config, caller] + [{"role": "user", "content": text}]
+                options = dict(max_new_tokens=max_new_tokens, temperature=0.0, speculation=speculation,
+                               reuse_prefix=config != "cold")
+                if config == "reuse+prefill":
+                    gen.prefill(messages=messages)  # the framework did this while the user spoke
+                out = gen.generate(messages=messages, **options)
+                s = out.stats
+                report.records.append(TurnRecord(config, turn, s.prompt_tokens, s.reused_tokens,
+                                                 s.time_to_first_token_s, s.total_s, s.new_tokens, s.tokens_per_s,
+                                                 s.acceptance, s.catchup_tokens, s.drafted, caller=caller))
+                replies[config] = out.token_ids
+                histories[config, caller] = messages + [{"role": "assistant", "content": out.text}]
+                if progress is not None:
+                    progress(config, turn)
+            report.identical &= len({tuple(r) for r in replies.values()}) == 1
+            if caller == 0:
+                first_replies = replies
         if peer is not None:
-            _peer_turn(peer, generators, histories, turn, text, max_new_tokens, replies, report, progress)
+            _peer_turn(peer, generators, {c: histories[c, 0] for c in generators}, turn, max_new_tokens,
+                       first_replies, report, progress)
     return report
 
 
-def _peer_turn(peer, generators: dict, histories: dict, turn: int, text: str, max_new_tokens: int, replies: dict,
+def _peer_turn(peer, generators: dict, histories: dict, turn: int, max_new_tokens: int, replies: dict,
                report: ConversationReport, progress) -> None:
-    """Run this turn's prompt (the reuse history's token ids) on each of the peer's configurations."""
+    """Run this turn's prompt (the first call's ``reuse`` history, as token ids) on each of the peer's
+    configurations."""
     from .peers import Job
 
     config = "reuse" if "reuse" in generators else next(iter(generators))
@@ -170,11 +191,16 @@ def _peer_turn(peer, generators: dict, histories: dict, turn: int, text: str, ma
 
 
 def format_report(report: ConversationReport) -> str:
-    lines = ["| config | TTFT turn 1 | TTFT later p50 / p95 | later vs cold | turn p50 | decode tok/s | "
-             "reused / prompt tokens |", "|---|---|---|---|---|---|---|"]
-    for config, row in report.summary().items():
+    summary = report.summary()
+    callers = any(row["ttft_first_other_p50_s"] is not None for row in summary.values())
+    lines = ["| config | TTFT turn 1 | " + ("other calls' turn 1 p50 | " if callers else "") +
+             "TTFT later p50 / p95 | later vs cold | turn p50 | decode tok/s | reused / prompt tokens |",
+             "|---" * (8 if callers else 7) + "|"]
+    for config, row in summary.items():
         ratio = row["ttft_later_vs_cold"]
-        lines.append(f"| {config} | {row['ttft_first_s'] * 1e3:.0f} ms | "
+        other = row["ttft_first_other_p50_s"]
+        others = (f"{other * 1e3:.0f} ms | " if other is not None else " | ") if callers else ""
+        lines.append(f"| {config} | {row['ttft_first_s'] * 1e3:.0f} ms | {others}"
                      f"{(row['ttft_later_p50_s'] or 0) * 1e3:.0f} / {(row['ttft_later_p95_s'] or 0) * 1e3:.0f} ms | "
                      f"{'' if ratio is None else f'{ratio:.2f}x'} | {row['turn_p50_s'] * 1e3:.0f} ms | "
                      f"{row['decode_tok_s_p50']:.1f} | "
@@ -182,7 +208,7 @@ def format_report(report: ConversationReport) -> str:
     by_turn = report.ttft_by_turn()
     if by_turn:
         configs = list(by_turn[0]["ttft_s"])
-        lines += ["", "TTFT per turn (ms):", "",
+        lines += ["", "TTFT per turn (ms)" + (", the first call" if callers else "") + ":", "",
                   "| turn | prompt tokens | " + " | ".join(configs) + " |", "|---" * (len(configs) + 2) + "|"]
         for row in by_turn:
             cells = [f"{row['ttft_s'][c] * 1e3:.0f}" if c in row["ttft_s"] else "" for c in configs]

@@ -259,6 +259,10 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) ->
               "its server's prompt cache, on the same turns; skipped with a note when it is not installed.")
 @click.option("--gguf", type=click.Path(path_type=Path), default=None,
               help="The GGUF file for the llama.cpp peer (default: the one the bundle was exported from).")
+@click.option("--callers", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="Calls at once on each configuration (one cache slot each), round robin turn by turn, with "
+                   "the same system prompt; caller c speaks the turns rotated by c. Shows what a new call's "
+                   "first turn costs while others hold the system prompt (copied, not prefilled, with reuse).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-turn records and summary as JSON.")
 @click.option("--preemptive", is_flag=True,
               help="Preemptive generation through the server (configs cold, single, preemptive): each turn sends "
@@ -272,7 +276,7 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) ->
 @click.option("--cancel-after-blocks", type=click.IntRange(0, 4096), default=None,
               help="With --preemptive: cancel each attempt after this many streamed deltas instead (deterministic).")
 def conversation(bundle, configs, conversation_file, turns, max_new_tokens, threads, no_speculation,
-                 llamacpp, gguf, as_json, preemptive, attempts, cancel_after_ms, cancel_after_blocks) -> None:
+                 llamacpp, gguf, callers, as_json, preemptive, attempts, cancel_after_ms, cancel_after_blocks) -> None:
     """A voice-agent call turn by turn: time to first token with and without conversation cache reuse.
 
     Replays bench/prompts/conversation.json (a long system prompt, ten user turns; each reply is
@@ -281,6 +285,8 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
     """
     import json
 
+    if preemptive and callers > 1:
+        raise click.BadParameter("--preemptive replays one call; leave --callers at 1", param_hint="--callers")
     if preemptive:
         sys.exit(_preemptive(bundle, conversation_file, turns, max_new_tokens, threads, attempts,
                              cancel_after_ms, cancel_after_blocks, as_json))
@@ -300,7 +306,7 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
         talk = replace(talk, turns=talk.turns[:turns])
     generators = {}
     for name in names:
-        generators[name] = Generator.from_bundle(bundle, threads=threads)
+        generators[name] = Generator.from_bundle(bundle, threads=threads, cache_slots=callers)
         generators[name].warmup(tune=False)
     import tempfile
 
@@ -308,10 +314,11 @@ def conversation(bundle, configs, conversation_file, turns, max_new_tokens, thre
         peer = _conversation_peer(generators, talk, bundle, threads, gguf, Path(tmp)) if llamacpp else None
         try:
             columns = len(names) + (len(peer.configs) if peer is not None else 0)
-            with click.progressbar(length=columns * len(talk.turns), label="conversation", file=sys.stderr) as bar:
+            length = (len(names) * callers + columns - len(names)) * len(talk.turns)
+            with click.progressbar(length=length, label="conversation", file=sys.stderr) as bar:
                 report = run_conversation(generators, talk, max_new_tokens=max_new_tokens,
                                           speculation=not no_speculation, progress=lambda *_: bar.update(1),
-                                          peer=peer)
+                                          peer=peer, callers=callers)
         finally:
             if peer is not None:
                 peer.close()

@@ -104,8 +104,29 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
 
+    # Whether :meth:`copy_prefix` can fill this cache from another (host buffers can; the GPU caches'
+    # device blocks do not implement it, so a slot there recomputes a prefix another slot holds).
+    copies_prefix = True
+
     def reset(self) -> None:
         self.length = 0
+
+    def copy_prefix(self, source: "KVCache", n: int) -> None:
+        """Make this cache hold ``source``'s first ``n`` positions, replacing what it held (``length``
+        becomes n). ``source`` must be a cache of the same graph (layers, heads, head size, layout and
+        dtype alike; its capacity may differ). One copy per layer's K and V, where computing the same
+        positions again is a forward."""
+        if not 0 <= n <= min(source.length, self.capacity):
+            raise InvalidParameterError(f"cannot copy {n} positions from a cache of length {source.length} "
+                                        f"into one of capacity {self.capacity}")
+        mine, theirs = self.keys + self.values, source.keys + source.values
+        if self.layout != source.layout or len(mine) != len(theirs) or any(
+                a.dtype != b.dtype or self.committed(a, 0).shape != source.committed(b, 0).shape
+                for a, b in zip(mine, theirs)):
+            raise InvalidParameterError("cannot copy a KV prefix between caches of different models or layouts")
+        for dst, src in zip(mine, theirs):
+            self.committed(dst, n)[...] = source.committed(src, n)
+        self.length = n
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` positions (rejected draft tokens). The only way a cache shrinks."""

@@ -91,6 +91,8 @@ class DeviceKVCache(BlockAddresses, KVCache):
     ``length`` is the committed prefix.
     """
 
+    copies_prefix = False  # a device block: a prefix another slot holds is recomputed, not copied
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
                  device: str = "cuda", device_id: int = 0, layout: str = "position-major") -> None:
         self.dtype = np.dtype(dtype)

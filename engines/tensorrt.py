@@ -299,6 +299,8 @@ class CudaKVCache(BlockAddresses, KVCache):
     the committed prefix is contiguous and position p starts ``p * row_bytes`` in.
     """
 
+    copies_prefix = False  # a device block: a prefix another slot holds is recomputed, not copied
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: np.dtype,
                  cudart) -> None:
         self._cudart = cudart

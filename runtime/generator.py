@@ -67,8 +67,9 @@ class Generator:
         # The pool calls back through a weak reference: a bound method stored in it would make a cycle
         # (Generator -> pool -> method -> Generator) that only the cyclic GC frees, so a dropped Generator
         # would keep its sessions and caches (hundreds of MB) until some later gc.collect().
-        new_slot = weakref.WeakMethod(self._new_slot)
-        self.slots = SlotPool(lambda: new_slot()(), max_slots=cache_slots, max_bytes=cache_memory)
+        new_slot, copied = weakref.WeakMethod(self._new_slot), weakref.WeakMethod(self._copied_prefix)
+        self.slots = SlotPool(lambda: new_slot()(), max_slots=cache_slots, max_bytes=cache_memory,
+                              copied=lambda slot: copied()(slot))
         self.draft_head_ids = loaded.draft_head_ids
         self.max_context = self.manifest.target.max_context
         self.eos_token_ids = self.manifest.target.eos_token_ids
@@ -79,6 +80,12 @@ class Generator:
 
     def _new_slot(self) -> CacheSlot:
         return CacheSlot(self.target.new_cache(), self.draft.new_cache() if self.draft is not None else None)
+
+    def _copied_prefix(self, slot: CacheSlot) -> None:
+        """A slot's target cache now holds a copy of another's prefix: exact mode continues it only
+        once the batch-invariant engine knows its tokens (fast mode runs the bare engine)."""
+        if slot.exact:
+            self.target.adopt(slot.target_kv, np.asarray(slot.tokens, np.int64))
 
     @property
     def target_kv(self):

@@ -15,16 +15,19 @@ next attempt); the longest such match wins, most recently used on ties.
 Otherwise it takes a free slot, or else evicts the least recently used one (keeping whatever prefix
 that slot shares with the prompt). A mere shared system prompt is no reason to take a slot: that
 would throw away another conversation's cache to save the system prompt's prefill, and every
-interleaved caller would end up in one slot. There is no conversation id to manage.
+interleaved caller would end up in one slot. There is no conversation id to manage. The prefix is
+not computed again either: where another slot holds a longer prefix of the prompt (a system prompt
+every call shares, an earlier turn a regenerated reply branches from), it is copied into the new
+slot, one copy per layer instead of a prefill, and the other slot keeps its conversation.
 
 Isolation: each slot remembers the cache salt (namespace) it was written under. A call with another
 salt reuses nothing of it, not even a prefix (so ``reused_tokens`` counts only tokens its own salt
 wrote); None is a salt like any other. The one exception is a prefix the operator published (a
 loaded prompt cache, :meth:`CacheSlot.publish`): every salt may reuse that, and only that.
 
-Exactness: a slot's prefix was computed by the same graph with the same per-row kernels (every
-target forward runs >= 2 rows by default, engines/invariant.py), so a reply that reuses it is the
-reply a cold start gives. A slot written with 1-row steps (``exact=False``) is not reused by an
+Exactness: an exact call's slot was computed by the same graph with the same per-row kernels (every
+exact target forward runs >= 2 rows, engines/invariant.py), so a reply that reuses it, or a copy of
+it, is the reply a cold start gives. A slot written with 1-row steps (fast mode) is not reused by an
 exact call, nor the reverse.
 """
 
@@ -189,6 +192,19 @@ class CacheSlot:
         # A call that reuses only the published prefix starts a conversation, as one in a free slot does.
         self.base = reusable if continues and reusable > self.shared else 0
 
+    def adopt(self, donor: "CacheSlot", n: int, prompt: Sequence[int]) -> None:
+        """Start a conversation here from the first ``n`` positions of ``donor`` (a prefix ``prompt``
+        shares with it, under the donor's salt), copied: the target cache's, and the draft cache's as
+        far as it holds the same tokens. What this slot held is forgotten first."""
+        self.drop()
+        self.target_kv.copy_prefix(donor.target_kv, n)
+        self.tokens[:] = donor.tokens[:n]
+        self.exact, self.salt, self.shared = donor.exact, donor.salt, min(donor.shared, n)
+        if self.draft_kv is not None and donor.draft_kv is not None:
+            m = min(common_prefix(donor.draft_prefix.contiguous(), prompt), n, donor.draft_kv.length)
+            self.draft_kv.copy_prefix(donor.draft_kv, m)
+            self.draft_prefix.set(list(prompt[:m]))
+
     def publish(self) -> None:
         """Let every salt reuse what this slot holds now (an operator's prefix: a loaded prompt cache)."""
         self.shared = len(self.tokens)
@@ -221,13 +237,17 @@ class CacheSlot:
 class SlotPool:
     """At most ``max_slots`` slots and ``max_bytes`` of cache, allocated on first need.
 
-    ``new_slot()`` allocates one slot's caches (every slot costs the same bytes).
+    ``new_slot()`` allocates one slot's caches (every slot costs the same bytes). ``copied(slot)`` is
+    told of a slot whose target cache was just filled by copying another's prefix (the Generator
+    records its tokens with the exact-mode engine, which continues only caches it knows).
     """
 
-    def __init__(self, new_slot: Callable[[], CacheSlot], *, max_slots: int, max_bytes: int | None = None) -> None:
+    def __init__(self, new_slot: Callable[[], CacheSlot], *, max_slots: int, max_bytes: int | None = None,
+                 copied: Callable[[CacheSlot], None] | None = None) -> None:
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
             raise InvalidParameterError(f"cache_slots must be an integer >= 1; got {max_slots!r}")
         self._new_slot = new_slot
+        self._copied = copied
         self.slots: list[CacheSlot] = [new_slot()]  # the first slot always exists (warm-up, one conversation)
         per_slot = self.slots[0].nbytes()
         if max_bytes is not None and max_bytes < per_slot:
@@ -259,11 +279,27 @@ class SlotPool:
             else:  # evict the least recently used; what it shares with the prompt is still good
                 best = min(self.slots, key=lambda s: s.last_used)
                 best_len = best.reusable(prompt, exact, salt) if reuse else 0
+            if reuse and best.target_kv.copies_prefix:
+                best_len = self._copy_shared_prefix(best, best_len, prompt, exact, salt)
         best.take(best_len, salt, continues=continues)
         if not reuse:
             best.draft_prefix.clear()  # a cold start for the draft model too
         best.last_used = self._clock
         return best, best_len
+
+    def _copy_shared_prefix(self, slot: CacheSlot, held: int, prompt: Sequence[int], exact: bool,
+                            salt: str | None) -> int:
+        """Fill ``slot`` (which holds ``held`` tokens of ``prompt``) with the longest prefix of ``prompt``
+        another slot holds for this call, when that is longer: copied, not computed again. The other
+        slot keeps its conversation. Returns the tokens ``slot`` now holds of the prompt."""
+        donors = [(other.reusable(prompt, exact, salt), other) for other in self.slots if other is not slot]
+        n, donor = max(donors, key=lambda d: d[0], default=(0, None))
+        if n <= held:
+            return held
+        slot.adopt(donor, n, prompt)
+        if self._copied is not None:
+            self._copied(slot)
+        return n
 
     def clear(self) -> None:
         for slot in self.slots:

@@ -31,6 +31,39 @@ def test_conversation_bench_reuses_and_replies_identically(self_spec_bundle, tmp
     assert all(t["reused_tokens"] == t["prompt_tokens"] - 1 for t in turns)
 
 
+def test_concurrent_callers_copy_the_system_prompt_and_reply_identically(self_spec_bundle, tmp_path):
+    """--callers 3: each call keeps its own slot; a new call's first turn reuses the system prompt
+    another call's slot holds (copied), the cold configuration reuses nothing, replies stay identical."""
+    from specedge.cli.main import main
+
+    talk = tmp_path / "talk.json"  # replies longer than the slots' continuation slack: calls stay apart
+    talk.write_text(json.dumps({"system": "w010 w011 w012 w013 w014 w015", "turns": ["w020 w021", "w030", "w040"]}))
+    out = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                    "--no-llamacpp", "--callers", "3", "--configs", "cold,reuse",
+                                    "--max-new-tokens", "12", "--threads", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output[out.output.index("{"):])
+    assert doc["identical"] is True
+    rows = {(t["config"], t["caller"], t["turn"]): t for t in doc["turns"]}
+    assert len(rows) == 2 * 3 * 3
+    firsts = [rows["reuse", caller, 0] for caller in range(3)]
+    assert firsts[0]["reused_tokens"] == 0
+    system = firsts[1]["reused_tokens"]
+    assert system > 0 and firsts[2]["reused_tokens"] == system  # the system prompt's tokens, copied
+    assert all(rows["cold", c, t]["reused_tokens"] == 0 for c in range(3) for t in range(3))
+    # Later turns continue each call's own slot: everything but the previous reply's last token.
+    assert all(rows["reuse", c, t]["reused_tokens"] > rows["reuse", c, t - 1]["prompt_tokens"] - 2
+               for c in range(3) for t in (1, 2))
+    assert doc["summary"]["reuse"]["ttft_first_other_p50_s"] > 0
+    text = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--conversation", str(talk),
+                                     "--no-llamacpp", "--callers", "2", "--configs", "reuse",
+                                     "--max-new-tokens", "2", "--threads", "1"])
+    assert "other calls' turn 1 p50" in text.output and "TTFT per turn (ms), the first call:" in text.output
+    refused = CliRunner().invoke(main, ["bench", "conversation", str(self_spec_bundle), "--preemptive",
+                                        "--callers", "2"])
+    assert refused.exit_code == 2 and "--preemptive replays one call" in refused.output
+
+
 def test_unknown_conversation_configs_are_refused(self_spec_bundle):
     from specedge.cli.main import main
 

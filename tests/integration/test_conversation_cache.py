@@ -9,7 +9,8 @@
   refused before anything runs and the slot stays usable; a cancelled stream keeps only the
   committed tokens; a forward that raises drops its slot.
 - Several conversations each find their own slot by longest prefix (LRU eviction past the
-  count); ``prefill`` pushes a known prefix ahead of the request, the draft's included; a draft
+  count); a new conversation gets the prefix another slot holds copied (the draft's too) and replies
+  as a cold start; ``prefill`` pushes a known prefix ahead of the request, the draft's included; a draft
   cache bridged by the draft window is continued on the next turn, not bridged again.
 - Concurrent callers on one Generator each get their cold replies (1 or 2 slots); a prefill whose
   request never comes is evicted and changes nothing; the server's worker runs a waiting request
@@ -217,6 +218,29 @@ def test_conversations_find_their_own_slots(llama_bundle, fresh):
                         speculation=False, exact=True).stats.reused_tokens > len(b)
 
 
+@pytest.mark.parametrize("speculation", [dict(speculation=False), dict(drafter="model", draft_tokens=2,
+                                                                        adaptive=False)],
+                         ids=["plain", "model-k2"])
+def test_a_new_conversation_copies_the_prefix_another_slot_holds(self_spec_bundle, fresh, speculation):
+    """A second caller with the same system prompt takes a free slot with that prompt's K/V copied in
+    (the draft's too): it prefills only its own turn, replies as a cold start, and the first caller's
+    slot still holds its whole conversation."""
+    options = dict(max_new_tokens=6, exact=True, **speculation)
+    gen = fresh(self_spec_bundle, cache_slots=2)
+    first = SYSTEM + TURNS[0]
+    ra = gen.generate(input_ids=first, **options)
+    second = SYSTEM + TURNS[1]
+    rb = gen.generate(input_ids=second, **options)
+    assert len(gen.slots.slots) == 2 and rb.stats.reused_tokens == len(SYSTEM)
+    assert rb.token_ids == fresh(self_spec_bundle).generate(input_ids=second, **options).token_ids
+    if "drafter" in speculation:
+        assert gen.slots.slots[1].draft_prefix.tokens[:len(SYSTEM)] == SYSTEM
+    nxt = first + ra.token_ids + TURNS[2]
+    again = gen.generate(input_ids=nxt, **options)
+    assert again.stats.reused_tokens == len(first) + len(ra.token_ids) - 1
+    assert again.token_ids == fresh(self_spec_bundle).generate(input_ids=nxt, **options).token_ids
+
+
 def test_prefill_ahead_leaves_only_the_tail_to_compute(llama_bundle, fresh):
     gen = fresh(llama_bundle)
     known = SYSTEM + TURNS[0]
@@ -278,7 +302,9 @@ def test_concurrent_conversations_each_reply_as_their_cold_start(self_spec_bundl
     its cold replies, so no conversation's tokens reach another."""
     import threading
 
-    calls = {name: (list(range(base, base + 24)), [list(range(base + 30, base + 34)), [base + 40, base + 41]])
+    # Every caller's system prompt starts alike (a copied prefix must never carry one caller's turns).
+    calls = {name: (list(range(280, 290)) + list(range(base, base + 14)),
+                    [list(range(base + 30, base + 34)), [base + 40, base + 41]])
              for name, base in (("a", 10), ("b", 100), ("c", 200))}
     options = dict(drafter="model", draft_tokens=2, adaptive=False, exact=True)
     cold = {name: _turns(fresh(self_spec_bundle), *call, reuse_prefix=False, **options)

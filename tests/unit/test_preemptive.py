@@ -63,12 +63,14 @@ def test_after_cancelled_attempts_the_final_request_reuses_the_whole_common_pref
 
 def test_a_cancelled_attempt_does_not_make_another_conversation_follow_it(reference):
     """The rule for cancelled prompts is a continuation rule: a caller that shares only the system
-    prompt still takes a free slot, and the cancelled conversation keeps its own."""
+    prompt still takes a free slot (with the system prompt copied in), and the cancelled conversation
+    keeps its own."""
     gen = reference(cache_slots=4)
     mine = _prompt(SYSTEM, 16)
     _cancelled_attempt(gen, mine, 3)
     other = SYSTEM + [(13 * i) % 70 + 11 for i in range(20)] + TAIL
-    assert gen.generate(input_ids=other, **OPTIONS).stats.reused_tokens == 0
+    assert gen.generate(input_ids=other, **OPTIONS).stats.reused_tokens == len(SYSTEM)
+    assert sum(bool(slot.tokens) for slot in gen.slots.slots) == 2
     assert gen.generate(input_ids=_prompt(SYSTEM, 30), **OPTIONS).stats.reused_tokens == len(SYSTEM) + 16
 
 

@@ -3,6 +3,8 @@
 - slots follow conversations: a prompt that continues a slot (or branches inside its latest turn)
   takes it; a prompt that shares only a system prompt takes a free slot, else the least recently
   used one, so interleaved callers each keep their slot and reuse their whole previous turn;
+- a prefix another slot holds is copied into the slot a new conversation takes (K/V bytes and
+  tokens, the draft's as far as its tokens agree), and the other slot keeps its own;
 - isolation: a slot written under one cache salt is never reused, not even its prefix, under
   another, and taking it forgets its tokens past what the new salt may reuse (the draft's too);
   only a published prefix (an operator's prompt cache) is reusable by every salt.
@@ -10,9 +12,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specedge.engines.base import KVCache
+from specedge.errors import InvalidParameterError
 from specedge.runtime.slots import CONTINUATION_SLACK, CacheSlot, SlotPool
 
 SYSTEM = list(range(1000, 1055))  # a 55-token system prompt every caller shares
@@ -42,7 +46,9 @@ def test_interleaved_callers_each_keep_their_slot_and_reuse_their_whole_previous
             prompt = history[c] + [2000 + 100 * c + turn] * 5  # the user's new turn
             slot, reused = _call(pool, prompt, [3000 + 100 * c + turn] * 12)
             if turn == 0:
-                assert reused == 0  # a free slot, not another caller's (which shares the system prompt)
+                # A free slot, not another caller's; the system prompt another caller's slot holds is
+                # copied into it, not computed again.
+                assert slot not in slots.values() and reused == (len(SYSTEM) if c else 0)
                 slots[c] = slot
             else:
                 assert slot is slots[c] and reused == len(history[c])  # the whole previous turn
@@ -112,7 +118,64 @@ def test_a_published_prefix_is_reusable_by_every_salt_and_nothing_past_it():
     assert taken is slot and reused == len(SYSTEM) and slot.shared == len(SYSTEM)
     assert _call(pool, SYSTEM + [1] * 5 + [2] * 8 + [3], [4], salt="a") == (slot, len(SYSTEM) + 13)
     # Another salt sharing a's first words never reads past the published prefix: a's slot is a's
-    # conversation (a free slot is taken); with one slot it would reuse the published prefix only.
+    # conversation (a free slot is taken, and the published prefix copied into it).
     other, reused = _call(pool, SYSTEM + [1] * 5, [5], salt="b")
-    assert other is not slot and reused == 0
+    assert other is not slot and reused == len(SYSTEM) and other.salt == "b"
     assert slot.reusable(SYSTEM + [1] * 5 + [2] * 8, True, "c") == len(SYSTEM)
+
+
+def _filled(slot: CacheSlot, tokens: list[int], draft_tokens: list[int], salt: str | None = None) -> None:
+    """Give a slot held tokens whose K/V rows are recognisable: row p of every buffer holds tokens[p]."""
+    for kv, held in ((slot.target_kv, tokens), (slot.draft_kv, draft_tokens)):
+        for buf in kv.keys + kv.values:
+            kv.committed(buf, len(held))[...] = np.asarray(held, np.float32).reshape(
+                (-1, 1, 1) if kv.layout == "position-major" else (1, 1, -1, 1))
+        kv.length = len(held)
+    slot.draft_prefix.set(draft_tokens)
+    slot.keep(tokens, True)
+    slot.salt = salt
+
+
+@pytest.mark.parametrize("layout", ["position-major", "head-major"])
+def test_a_new_conversation_gets_a_copy_of_the_prefix_another_slot_holds(layout):
+    pool = SlotPool(lambda: CacheSlot(KVCache(2, 1, 2, 512, layout=layout), KVCache(1, 1, 2, 512, layout=layout)),
+                    max_slots=2)
+    donor = pool.slots[0]
+    history = SYSTEM + [1] * 10 + [2] * 20
+    _filled(donor, history, SYSTEM + [1] * 10 + [7] * 5)  # the draft diverged inside the first turn
+    before = [buf.copy() for buf in donor.target_kv.keys + donor.target_kv.values]
+    prompt = SYSTEM + [1] * 10 + [3] * 4  # branches before the donor's latest turn: not its conversation
+    slot, reused = pool.acquire(prompt, True)
+    assert slot is not donor and reused == len(SYSTEM) + 10
+    assert slot.tokens == prompt[:reused] and slot.target_kv.length == reused
+    assert slot.draft_prefix.tokens == prompt[:reused] and slot.draft_kv.length == reused
+    for kv in (slot.target_kv, slot.draft_kv):
+        for buf in kv.keys + kv.values:
+            assert kv.committed(buf).ravel()[::2].tolist() == prompt[:reused]
+    assert donor.tokens == history and all(
+        np.array_equal(a, b) for a, b in zip(before, donor.target_kv.keys + donor.target_kv.values))
+    # The draft copies only what its own tokens share with the prompt.
+    slot.drop()
+    _, reused = pool.acquire(SYSTEM + [1] * 10 + [2] * 3 + [9], True)
+    assert reused == len(SYSTEM) + 13 and slot.draft_prefix.tokens == SYSTEM + [1] * 10
+    assert slot.draft_kv.length == len(SYSTEM) + 10
+
+
+def test_nothing_is_copied_across_salts_nor_between_exact_and_fast_caches():
+    pool = _pool(3)
+    donor = pool.slots[0]
+    _filled(donor, SYSTEM + [1] * 10, SYSTEM + [1] * 10, salt="victim")
+    taken, reused = pool.acquire(SYSTEM + [4], True, salt="attacker")
+    assert taken is not donor and reused == 0 and taken.tokens == [] and taken.target_kv.length == 0
+    assert pool.acquire(SYSTEM + [4], False, salt="victim")[1] == 0  # a fast call: the exact cache is no prefix
+
+
+def test_a_kv_prefix_is_copied_only_between_caches_of_one_shape():
+    cache = KVCache(2, 1, 2, 64)
+    cache.length = 10
+    with pytest.raises(InvalidParameterError, match="different models or layouts"):
+        KVCache(2, 2, 2, 64).copy_prefix(cache, 5)
+    with pytest.raises(InvalidParameterError, match="different models or layouts"):
+        KVCache(2, 1, 2, 64, layout="head-major").copy_prefix(cache, 5)
+    with pytest.raises(InvalidParameterError, match="cannot copy 11 positions"):
+        KVCache(2, 1, 2, 64).copy_prefix(cache, 11)
