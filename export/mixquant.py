@@ -180,7 +180,7 @@ GPTQ_DAMP = 0.01
 GPTQ_BATCH = 128
 # Round the loudest channels first, every block's scale fixed from the source weights (the paper's act-order
 # with static groups). Off: measured worse on Qwen2.5-Coder-0.5B (KL 0.0224 against 0.0213) and on SmolLM2 at
-# the default mix's bits (0.118 against 0.102), docs/results/2026-12-07-gptq.md; kept for the experiment script.
+# the default mix's bits (0.120 against 0.0925), docs/results/2026-12-07-gptq.md; kept for the experiment script.
 GPTQ_ACT_ORDER = False
 
 
@@ -396,7 +396,7 @@ MIXES = {
                              "takes asym4-head8-more)",
 }
 # The least KL divergence from the source per stored bit measured on SmolLM2 and Qwen2.5-Coder-0.5B
-# (docs/results/2026-12-07-gptq.md: 0.144 -> 0.102 and 0.028 -> 0.021 nats against asym4-head8-more at the
+# (docs/results/2026-12-07-gptq.md: 0.144 -> 0.0925 and 0.028 -> 0.021 nats against asym4-head8-more at the
 # same bytes; docs/results/2026-12-06-float-quantization.md for the mixes before).
 DEFAULT_MIX = "asym4-head8-more-gptq"
 
