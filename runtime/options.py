@@ -257,8 +257,8 @@ class LoadConfig:
     verify_checksums: bool = option(True, "Skip sha256 checks of bundle files at load.", bool,
                                     cli=("--no-verify-checksums",), invert=True)
     cache_slots: int = option(DEFAULT_CACHE_SLOTS, "Conversations whose KV caches are kept between requests "
-                              "(`specedge info` prices them); a request continuing one prefills only its new tokens, and "
-                              "a new one copies the prefix another holds, such as the system prompt "
+                              "(`specedge info` prices them); a request continuing one prefills only its new "
+                              "tokens, and a new one copies the prefix another holds, such as the system prompt "
                               "(least recently used evicted first).", int, low=1, high=MAX_CACHE_SLOTS)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,8 @@ talk = load_conversation()
 g = Generator.from_bundle(bundle, threads=2)
 msgs = [{"role": "system", "content": talk.system}]
 for earlier in range(turn):
-    msgs += [{"role": "user", "content": talk.turns[earlier]}, {"role": "assistant", "content": rows[earlier]["cold"]["reply"]}]
+    msgs += [{"role": "user", "content": talk.turns[earlier]},
+             {"role": "assistant", "content": rows[earlier]["cold"]["reply"]}]
 msgs.append({"role": "user", "content": talk.turns[turn]})
 out = g.generate(messages=msgs, max_new_tokens=48, temperature=0.0, reuse_prefix=False)
 print("the cold reply regenerated equals the bench's:", out.text == rows[turn]["cold"]["reply"])
