@@ -262,12 +262,12 @@ class SlotPool:
         already holds: the slot whose conversation the prompt follows (longest match, most recently
         used on ties); else a free slot; else the least recently used one."""
         self._clock += 1
+        # What each slot holds of the prompt for this call: picks the follower, and the donor of a copy.
+        held = [(slot.reusable(prompt, exact, salt), slot) for slot in self.slots] if reuse else []
         best, best_len = None, 0
-        if reuse:
-            for slot in self.slots:
-                n = slot.reusable(prompt, exact, salt)
-                if slot.follows(n) and (n > best_len or (n == best_len and slot.last_used > best.last_used)):
-                    best, best_len = slot, n
+        for n, slot in held:
+            if slot.follows(n) and (n > best_len or (n == best_len and slot.last_used > best.last_used)):
+                best, best_len = slot, n
         continues = best is not None
         if best is None:
             empty = [s for s in self.slots if not s.tokens]
@@ -278,24 +278,24 @@ class SlotPool:
                 self.slots.append(best)
             else:  # evict the least recently used; what it shares with the prompt is still good
                 best = min(self.slots, key=lambda s: s.last_used)
-                best_len = best.reusable(prompt, exact, salt) if reuse else 0
+                best_len = next((n for n, slot in held if slot is best), 0)
             if reuse and best.target_kv.copies_prefix:
-                best_len = self._copy_shared_prefix(best, best_len, prompt, exact, salt)
+                best_len = self._copy_shared_prefix(best, best_len, prompt, held)
         best.take(best_len, salt, continues=continues)
         if not reuse:
             best.draft_prefix.clear()  # a cold start for the draft model too
         best.last_used = self._clock
         return best, best_len
 
-    def _copy_shared_prefix(self, slot: CacheSlot, held: int, prompt: Sequence[int], exact: bool,
-                            salt: str | None) -> int:
-        """Fill ``slot`` (which holds ``held`` tokens of ``prompt``) with the longest prefix of ``prompt``
-        another slot holds for this call, when that is longer: copied, not computed again. The other
-        slot keeps its conversation. Returns the tokens ``slot`` now holds of the prompt."""
-        donors = [(other.reusable(prompt, exact, salt), other) for other in self.slots if other is not slot]
-        n, donor = max(donors, key=lambda d: d[0], default=(0, None))
-        if n <= held:
-            return held
+    def _copy_shared_prefix(self, slot: CacheSlot, have: int, prompt: Sequence[int],
+                            held: list[tuple[int, CacheSlot]]) -> int:
+        """Fill ``slot`` (which holds ``have`` tokens of ``prompt``) with the longest prefix of ``prompt``
+        another slot holds for this call (``held``: each slot's reusable tokens), when that is longer:
+        copied, not computed again. The other slot keeps its conversation. Returns the tokens ``slot``
+        now holds of the prompt."""
+        n, donor = max(((n, other) for n, other in held if other is not slot), key=lambda d: d[0], default=(0, None))
+        if n <= have:
+            return have
         slot.adopt(donor, n, prompt)
         if self._copied is not None:
             self._copied(slot)
