@@ -28,6 +28,7 @@ from ..runtime.drafters import DEFAULT_DRAFTER
 from ..runtime.loading import load_codec
 from .leftovers import is_stale, pid_after
 from .release import release_memory
+from .head_screen import SCREEN_ROWS
 from .mixquant import DEFAULT_MIX, MIXES
 from .tokenizer_parity import added_bos, check_parity, source_tokenizer
 
@@ -86,6 +87,9 @@ class ExportConfig:
     # A GGUF source is dequantized to a float32 HF folder (4 bytes a parameter); False deletes it after the
     # export, True keeps it in the cache for later exports (`specedge fetch --list` shows it).
     keep_converted: bool = False
+    # int4 graphs with an int8 output head: rows each position rescores in fp32 after an int4 copy of the head
+    # picks them (export/head_screen.py); 0 keeps the plain int8 head.
+    head_screen_rows: int = SCREEN_ROWS
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("draft_precision", self.draft_precision)):
@@ -103,6 +107,8 @@ class ExportConfig:
                                         f"got {self.validation!r}")
         if self.quant_mix not in MIXES:
             raise InvalidParameterError(f"quant_mix must be one of {', '.join(MIXES)}; got {self.quant_mix!r}")
+        if self.head_screen_rows < 0:
+            raise InvalidParameterError(f"head_screen_rows must be >= 0 (0 = no screen); got {self.head_screen_rows}")
         if self.attention not in ATTENTIONS:
             raise InvalidParameterError(f"attention must be {' or '.join(ATTENTIONS)}; got {self.attention!r}")
         if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -257,6 +263,8 @@ class _ModelExporter:
                                    plan=self._plan(role, bits, spec.n_layers, cfg.block_size), chosen=chosen,
                                    tied=spec.tied_embeddings, importance=importance, progress=eta.update)
             self.quantization[role] = _quant_record(mix, chosen)
+        if precision == "int4" and cfg.head_screen_rows:
+            self._screen_head(role, graph, spec.vocab_size)
         entry = self._entry(role, files, source, precision, "float32", spec=spec, head_file=head_file)
         if layered is None:
             self.progress(f"{role}: comparing {precision} with fp32")
@@ -271,6 +279,17 @@ class _ModelExporter:
         release_memory()
         shutil.rmtree(scratch)
         return entry
+
+    def _screen_head(self, role: str, graph: Path, vocab: int) -> None:
+        """An int8 output head becomes an int4 screen plus fp32 rescoring of its top rows
+        (export/head_screen.py). The manifest's per-weight record keeps the head's int8 form: the screen is
+        a copy read first, not another weight (the graph names it; the bundle's size counts it)."""
+        from .head_screen import add_head_screen
+
+        screened = add_head_screen(graph, vocab, self.config.head_screen_rows)
+        if screened is not None:
+            self.progress(f"{role}: int8 output head screened by an int4 copy; each position's top "
+                          f"{screened.rows} rows rescored from the int8 integers")
 
     def _mix(self, role: str) -> str:
         """``--quant-mix`` for ``role``; a draft takes a ``-gptq`` mix without its error feedback

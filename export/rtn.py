@@ -42,10 +42,11 @@ _HEAD = "lm_head"  # the output layer's MatMul weight in our graphs (export/grap
 class DataFile:
     """Appends tensors to one external data file; returns TensorProtos that point into it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        """``append``: add to an existing file (its tensors keep their offsets) instead of starting one."""
         self.path = path
-        self.file: BinaryIO = open(path, "wb")
-        self.offset = 0
+        self.file: BinaryIO = open(path, "ab" if append else "wb")
+        self.offset = self.file.tell() if append else 0
 
     def align(self) -> None:
         """Pad the file to the next ``_ALIGN`` boundary (where the next tensor's data starts)."""
