@@ -35,6 +35,11 @@ SCREEN_ROWS = 1024
 # Screen only a head at least this many times wider than the rows it rescores: below it the rescoring's
 # gather reads a large share of what the int4 copy saves.
 MIN_VOCAB_PER_ROW = 16
+# ... and only a head of at least this many weights: the screen's TopK over the vocabulary, its gather and
+# its nine small nodes cost about 2 ms a step on 2 cores whatever the head's size. Measured (paired 1-token
+# steps, 2-core Xeon): SmolLM2's 49152 x 576 head (28M) 0.98x, Qwen2.5-Coder-0.5B's 151936 x 896 (136M)
+# 1.05x, Qwen2.5-Coder-1.5B's 151936 x 1536 (233M) 1.05-1.09x; the break-even lies between 28M and 136M.
+MIN_HEAD_ELEMENTS = 100_000_000
 _CHUNK_ROWS = 16384  # head rows dequantized and rounded at a time (Qwen 1.5B: 100 MB of fp32)
 _SYMMETRIC_ZERO_POINT = 128  # MatMulNBits' and GatherBlockQuantized's implicit 8-bit zero point
 
@@ -49,13 +54,15 @@ class ScreenedHead:
     rows: int
 
 
-def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS) -> ScreenedHead | None:
+def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
+                    min_elements: int | None = None) -> ScreenedHead | None:
     """Rewrite ``graph_path``'s 8-bit MatMulNBits output head (N == ``vocab``) as a screened head.
 
     The int4 copy (asymmetric, searched blocks of the head's block size, rounded from the int8 head's
     dequantized values) and the gather's scales are appended to the head's external data file. Returns
-    None, the graph untouched, where there is nothing to screen: no 8-bit head, or ``vocab`` below
-    ``MIN_VOCAB_PER_ROW * rows``.
+    None, the graph untouched, where there is nothing to screen or it would not pay: no 8-bit head,
+    ``vocab`` below ``MIN_VOCAB_PER_ROW * rows``, or a head of fewer than ``min_elements`` weights
+    (default :data:`MIN_HEAD_ELEMENTS`).
     """
     import onnx
     from onnx import TensorProto, helper
@@ -73,6 +80,8 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS) -> Sc
     head = heads[0]
     attrs = _attrs(head)
     hidden, block = attrs["K"], attrs["block_size"]
+    if vocab * hidden < (MIN_HEAD_ELEMENTS if min_elements is None else min_elements):
+        return None
     inits = {t.name: t for t in graph.initializer}
     data, scales = inits[head.input[1]], inits[head.input[2]]
     zero_points = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None

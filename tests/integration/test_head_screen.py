@@ -24,12 +24,20 @@ from tiny_models import assert_model_drafts_equal_plain
 ROWS = 16  # the tiny vocabulary (300) holds MIN_VOCAB_PER_ROW * 16 = 256 rows: the screen applies
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
+def tiny_heads_are_screened(monkeypatch):
+    """The tiny models' heads are far below the size where the screen pays (MIN_HEAD_ELEMENTS)."""
+    from specedge.export import head_screen
+
+    monkeypatch.setattr(head_screen, "MIN_HEAD_ELEMENTS", 0)
+
+
+@pytest.fixture
 def screened(tiny_model, export) -> Path:
     return export(tiny_model("llama"), draft="self-int4", precision="int4", head_screen_rows=ROWS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def unscreened(tiny_model, export) -> Path:
     return export(tiny_model("llama"), draft="self-int4", precision="int4", head_screen_rows=0)
 
@@ -65,9 +73,10 @@ def test_a_small_vocabulary_or_zero_rows_is_left_alone(unscreened, tmp_path):
     folder = shutil.copytree(unscreened / "target", tmp_path / "target")
     graph = folder / "model.onnx"
     before = graph.read_bytes()
-    assert add_head_screen(graph, 300, rows=300 // MIN_VOCAB_PER_ROW + 1) is None
-    assert add_head_screen(graph, 300, rows=0) is None
-    assert add_head_screen(graph, 301, rows=ROWS) is None  # no head of that width
+    assert add_head_screen(graph, 300, rows=300 // MIN_VOCAB_PER_ROW + 1, min_elements=0) is None
+    assert add_head_screen(graph, 300, rows=ROWS, min_elements=10**9) is None  # too small a head to pay
+    assert add_head_screen(graph, 300, rows=0, min_elements=0) is None
+    assert add_head_screen(graph, 301, rows=ROWS, min_elements=0) is None  # no head of that width
     assert graph.read_bytes() == before
 
 
