@@ -180,10 +180,10 @@ def fetch(name: str | None, list_models: bool, clean: bool, as_json: bool) -> No
               + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
               + ". The manifest records each weight's bits, block and symmetry (`specedge info`).")
 @click.option("--head-screen-rows", type=click.IntRange(min=0), default=SCREEN_ROWS, show_default=True,
-              help="int4 graphs with an int8 output head (the default mix's, a GGUF's Q6_K/Q8_0 head): an int4 copy "
-              "of the head picks each position's top N tokens and their logits are computed in fp32 from the int8 "
-              "integers, so a step reads about half the head (Qwen2.5-Coder-1.5B: 1-token step 1.09x faster, KL "
-              "divergence from the source unchanged). 0 keeps the plain int8 head.")
+              help="int4 graphs whose int8 output head (the default mix's, a GGUF's Q6_K/Q8_0 head) has >= 100M "
+              "weights: an int4 copy of the head picks each position's top N tokens and their logits are computed "
+              "in fp32 from the int8 integers, so a step reads about half the head (Qwen2.5-Coder-1.5B: 1-token "
+              "step 1.05-1.09x faster, KL divergence from the source unchanged). 0 keeps the plain int8 head.")
 @click.option("--validation", type=click.Choice(["auto", "whole", "layers"]), default="auto", show_default=True,
               help="int4/int8: how the fp32 graph that is quantized is checked against the source. whole: all of "
               "it in one ONNX Runtime session (4 bytes a parameter in memory); layers: an fp32 graph of the first "

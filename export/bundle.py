@@ -87,8 +87,8 @@ class ExportConfig:
     # A GGUF source is dequantized to a float32 HF folder (4 bytes a parameter); False deletes it after the
     # export, True keeps it in the cache for later exports (`specedge fetch --list` shows it).
     keep_converted: bool = False
-    # int4 graphs with an int8 output head: rows each position rescores in fp32 after an int4 copy of the head
-    # picks them (export/head_screen.py); 0 keeps the plain int8 head.
+    # int4 graphs whose int8 output head has >= head_screen.MIN_HEAD_ELEMENTS weights: rows each position
+    # rescores in fp32 after an int4 copy of the head picks them (export/head_screen.py); 0 keeps the int8 head.
     head_screen_rows: int = SCREEN_ROWS
 
     def __post_init__(self) -> None:
