@@ -105,9 +105,13 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
         screen_scales.append(blocks.scales)
         screen_zero_points.append(blocks.packed_zero_points())
 
+    name = head.name or "lm_head"
+
+    def t(suffix: str) -> str:
+        return f"{name}_screen_{suffix}"
+
     out = DataFile(folder / location, append=True)
     try:
-        name = head.name or "lm_head"
         q4 = out.tensor(f"{name}_screen_Q4", TensorProto.UINT8, (vocab, n_blocks, block // 2), np.concatenate(packed))
         s4 = np.concatenate(screen_scales)
         s4 = out.tensor(f"{name}_screen_scales", TensorProto.FLOAT, s4.shape, s4)
@@ -116,7 +120,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
         # GatherBlockQuantized takes its scales (and zero points) shaped like the data's block axis
         s3 = out.tensor(f"{name}_rescore_scales", TensorProto.FLOAT, (vocab, n_blocks, 1), all_scales)
         new_inits = [q4, s4, z4, s3]
-        gather_inputs = [head.input[1], "", s3.name]
+        gather_inputs = [head.input[1], t("rows"), s3.name]
         if zero_points is not None:
             z3 = out.tensor(f"{name}_rescore_zero_points", TensorProto.UINT8, (vocab, n_blocks, 1),
                             all_zero_points.astype(np.uint8))
@@ -124,16 +128,11 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
             gather_inputs.append(z3.name)
     finally:
         out.close()
-    consts = [helper.make_tensor(f"{name}_screen_k", TensorProto.INT64, [1], [rows]),
-              helper.make_tensor(f"{name}_screen_width", TensorProto.INT64, [1], [hidden]),
-              helper.make_tensor(f"{name}_screen_axis", TensorProto.INT64, [1], [-1])]
+    consts = [helper.make_tensor(t("k"), TensorProto.INT64, [1], [rows]),
+              helper.make_tensor(t("width"), TensorProto.INT64, [1], [hidden]),
+              helper.make_tensor(t("axis"), TensorProto.INT64, [1], [-1])]
     rows_c, hidden_c, last_c = (c.name for c in consts)
     x, logits = head.input[0], head.output[0]
-
-    def t(suffix: str) -> str:
-        return f"{name}_screen_{suffix}"
-
-    gather_inputs[1] = t("rows")
     level = {"accuracy_level": attrs["accuracy_level"]} if "accuracy_level" in attrs else {}
     nodes = [
         helper.make_node("MatMulNBits", [x, q4.name, s4.name, z4.name], [t("logits")], name=t("matmul"),
@@ -157,7 +156,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     for offset, node in enumerate(nodes):
         graph.node.insert(at + offset, node)
     used = {i for n in graph.node for i in n.input}
-    kept = [t_ for t_ in graph.initializer if t_.name in used]
+    kept = [tensor for tensor in graph.initializer if tensor.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits + consts)
     onnx.save_model(model, str(graph_path))
