@@ -41,7 +41,6 @@ MIN_VOCAB_PER_ROW = 16
 # 1.05x, Qwen2.5-Coder-1.5B's 151936 x 1536 (233M) 1.05-1.09x; the break-even lies between 28M and 136M.
 MIN_HEAD_ELEMENTS = 100_000_000
 _CHUNK_ROWS = 16384  # head rows dequantized and rounded at a time (Qwen 1.5B: 100 MB of fp32)
-_SYMMETRIC_ZERO_POINT = 128  # MatMulNBits' and GatherBlockQuantized's implicit 8-bit zero point
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     import onnx
     from onnx import TensorProto, helper
 
-    from .mixquant import TensorQuant, quantize
+    from .mixquant import Blocks, TensorQuant, quantize
     from .rtn import DataFile, _read
 
     if rows < 1 or vocab < MIN_VOCAB_PER_ROW * rows:
@@ -94,12 +93,13 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     form = TensorQuant(4, block, symmetric=False, search=True)
     packed, screen_scales, screen_zero_points = [], [], []
     all_scales = _read(scales, folder).reshape(vocab, n_blocks)
-    all_zero_points = (np.full((vocab, n_blocks), _SYMMETRIC_ZERO_POINT, np.float32) if zero_points is None
-                       else _read(zero_points, folder).reshape(vocab, n_blocks).astype(np.float32))
+    symmetric = zero_points is None
+    all_zero_points = (np.full((vocab, n_blocks), 1 << 7, np.uint8) if symmetric  # the kernels' 8-bit default
+                       else _read(zero_points, folder).reshape(vocab, n_blocks))
     for start in range(0, vocab, _CHUNK_ROWS):
         span = slice(start, min(start + _CHUNK_ROWS, vocab))
-        q = _read(data, folder, span).reshape(-1, n_blocks, block).astype(np.float32)
-        weight = ((q - all_zero_points[span, :, None]) * all_scales[span, :, None]).reshape(-1, hidden)
+        q = _read(data, folder, span).reshape(-1, n_blocks, block)
+        weight = Blocks(q, all_scales[span], all_zero_points[span], 8, symmetric).dequantize()
         blocks = quantize(weight, form)
         packed.append(blocks.packed())
         screen_scales.append(blocks.scales)
@@ -121,9 +121,8 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
         s3 = out.tensor(f"{name}_rescore_scales", TensorProto.FLOAT, (vocab, n_blocks, 1), all_scales)
         new_inits = [q4, s4, z4, s3]
         gather_inputs = [head.input[1], t("rows"), s3.name]
-        if zero_points is not None:
-            z3 = out.tensor(f"{name}_rescore_zero_points", TensorProto.UINT8, (vocab, n_blocks, 1),
-                            all_zero_points.astype(np.uint8))
+        if not symmetric:
+            z3 = out.tensor(f"{name}_rescore_zero_points", TensorProto.UINT8, (vocab, n_blocks, 1), all_zero_points)
             new_inits.append(z3)
             gather_inputs.append(z3.name)
     finally:
