@@ -70,8 +70,10 @@ class ExportConfig:
     # one that steps fastest on this machine without losing greedy agreement with fp32 (nor, for a
     # target, exact steps); block_size is then unused.
     tune_block_size: bool = False
-    # --exact: tuning times exact 2-row steps and keeps only layouts whose plain steps equal verify rows
-    # (what GenerationConfig(exact=True) needs); off, it times 1-row steps, as fast mode runs them.
+    # --exact: the target keeps the layout whose plain steps equal verify rows (what GenerationConfig(exact=True)
+    # needs): its -more mix's int8 layers and its head screen's int4 copy stay at the int4 block
+    # (export/mixquant.py WIDE_INT8_BLOCK), and tuning times exact 2-row steps and keeps only invariant
+    # layouts; off, those weights take wider blocks and tuning times 1-row steps, as fast mode runs them.
     exact: bool = False
     tune_threads: int = 0  # intra-op threads of the tuning's timed sessions (0 = ONNX Runtime's default)
     # A GGUF source at int4 keeps the file's own quantization (export/gguf_import.py); True rounds its
@@ -285,10 +287,14 @@ class _ModelExporter:
         (export/head_screen.py). The manifest's per-weight record keeps the head's int8 form: the screen is
         a copy read first, not another weight (the graph names it; the bundle's size counts it)."""
         from .head_screen import add_head_screen
+        from .mixquant import WIDE_INT8_BLOCK
 
-        screened = add_head_screen(graph, vocab, self.config.head_screen_rows)
+        exact = self.config.exact and role == "target"
+        screened = add_head_screen(graph, vocab, self.config.head_screen_rows,
+                                   copy_block=None if exact else WIDE_INT8_BLOCK)
         if screened is not None:
-            self.progress(f"{role}: int8 output head screened by an int4 copy; each position's top "
+            self.progress(f"{role}: int8 output head screened by an int4 copy (block {screened.copy_block}); "
+                          f"each position's top "
                           f"{screened.rows} rows rescored from the int8 integers")
 
     def _mix(self, role: str) -> str:
@@ -305,7 +311,15 @@ class _ModelExporter:
 
         if bits != 4 or self._mix(role) == "rtn-sym4":
             return None
-        return make_plan(self._mix(role), n_layers, block)
+        return make_plan(self._mix(role), n_layers, block, int8_layer_block=self._wide_block(role, block))
+
+    def _wide_block(self, role: str, block: int) -> int:
+        """The block of ``role``'s weights whose rounding does not need ``block`` (export/mixquant.py
+        ``WIDE_INT8_BLOCK``): wider for fast mode, ``block`` for an exact target, whose plain steps must equal
+        its verify rows bit for bit. A draft's rows never reach the output."""
+        from .mixquant import WIDE_INT8_BLOCK
+
+        return block if self.config.exact and role == "target" else max(block, WIDE_INT8_BLOCK)
 
     def _importance(self, role: str, bits: int, spec, src_entry: ModelEntry, src_graph: Path) -> dict | None:
         """Each weight's activation importance on the calibration texts (export/importance.py), when the mix
@@ -649,10 +663,13 @@ def export_bundle(config: ExportConfig) -> Manifest:
         progress.note("target: checking that plain steps equal verify rows on this machine")
         exact = {"target": exact_steps(target, tmp / target.graph, max_verify=config.max_draft_tokens + 1)}
         release_memory()  # that check's session, before the next one opens
-        if not exact["target"].bit_identical and not config.quiet:
+        if not exact["target"].bit_identical and config.exact and not config.quiet:
             print("[specedge export] WARNING: on this machine a 2-row step of the target is not bit-identical to "
-                  "a verify row, so exact mode (--exact) will refuse this bundle; fast mode runs it as usual",
-                  file=sys.stderr)
+                  "a verify row even in the exact layout, so exact mode will refuse this bundle; fast mode runs it "
+                  "as usual", file=sys.stderr)
+        elif not exact["target"].bit_identical:  # expected of fast mode's wide blocks (export/mixquant.py)
+            progress.note("target: its plain steps are not bit-identical to verify rows here, so exact mode "
+                          "(generate --exact) will refuse it: fast mode runs it; `export --exact` writes the exact layout")
         draft = None
         head_ids = (draft_head_tokens(target_loaded.tokenizer, target.vocab_size, config.draft_vocab,
                                       target.eos_token_ids) if config.draft_vocab else None)

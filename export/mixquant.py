@@ -340,10 +340,13 @@ def _layer(name: str) -> tuple[int, str] | None:
     return None
 
 
-def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
+def make_plan(mix: str, n_layers: int, block: int = 32, int8_layer_block: int | None = None) -> Plan:
     """The mix ``mix`` (one of :data:`MIXES`) as a function graph weight name -> :class:`TensorQuant`.
 
-    ``block``: every weight's block size (export --block-size / --tune).
+    ``block``: every weight's block size (export --block-size / --tune); ``int8_layer_block`` (default
+    ``block``): the block of a ``-more`` mix's 8-bit layer weights instead (:data:`WIDE_INT8_BLOCK` in
+    bundles for fast mode). The output head and the embedding keep ``block``: a tied head reads the
+    embedding's integers, and GatherBlockQuantized reads only the rows it gathers.
     """
     if mix not in MIXES:
         raise InvalidParameterError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
@@ -354,6 +357,7 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
     sym4 = TensorQuant(4, block, True)
     asym4 = TensorQuant(4, block, False, search=base != "asym4-head8-rtn", weighted=weighted, gptq=gptq)
     int8 = TensorQuant(8, block, True)
+    int8_layer = TensorQuant(8, int8_layer_block or block, True)
 
     def plan(name: str) -> TensorQuant:
         if base == "rtn-sym4":
@@ -367,11 +371,21 @@ def make_plan(mix: str, n_layers: int, block: int = 32) -> Plan:
                 and _more_bits(where[0], n_layers)):
             # Q4_K_M's 6-bit ffn_down and attn_v on these layers; v is fused with q and k here, so the
             # whole q|k|v weight goes up (GQA keeps it small: SmolLM2's is 576 x 960).
-            return int8
+            return int8_layer
         return asym4
 
     return plan
 
+
+# The block of a -more mix's 8-bit layer weights in a bundle exported for fast mode (not --exact). 255
+# levels leave a wide block's rounding far below the int4 weights' (SmolLM2 default mix, KL divergence from
+# the source 0.0925 -> 0.0911 nats at block 128), and a step reads 8.25 bits a weight instead of 9. Not for
+# exact mode: on ONNX Runtime 1.32's CPU kernels an 8-bit block of 128 (an int4 block of 64) computes
+# the odd rows of a 3-, 5-, 7- or 9-row verify apart from a 2-row step's (bit-level differences; block 32
+# matches at every length on every CPU measured), so ``export --exact`` keeps the int4 block
+# (docs/results/2026-12-07-wide-int8-blocks.md). The head screen's int4 copy takes it too
+# (export/head_screen.py): it only ranks tokens.
+WIDE_INT8_BLOCK = 128
 
 IMATRIX = "-imatrix"  # a mix whose int4 search is weighted by activation importance ends so
 GPTQ = "-gptq"  # a mix whose int4 blocks are rounded with error feedback (and weighted search) ends so

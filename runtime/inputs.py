@@ -99,5 +99,5 @@ def check_exact(manifest: Manifest) -> None:
             "exact=True: this bundle's target is not row-invariant (on the machine it was exported on, its "
             "2-row plain steps differed from verify rows: manifest extra.exact_steps.target.bit_identical is "
             "false), so exact mode could not keep greedy output token-identical to plain decoding. Re-export "
-            "with `specedge export --exact` (with --tune it keeps only a row-invariant layout) or with the "
-            "default --block-size 32, or run without exact")
+            "with `specedge export --exact` (the row-invariant layout: int4 block 32, and with --tune only a "
+            "layout measured invariant), or run without exact")

@@ -7,7 +7,8 @@ existing bundle without exporting it again (docs/results/2026-12-07-screened-hea
 
 ``--as-target`` makes the model DST's target (``bench profile`` and ``eval`` read a bundle's target);
 ``--no-screen`` only copies (the unscreened side of a comparison); ``--any-size`` screens a head below
-MIN_HEAD_ELEMENTS too (how SmolLM2's was measured). Files not rewritten are hard links.
+MIN_HEAD_ELEMENTS too (how SmolLM2's was measured); ``--copy-block N`` gives the int4 copy blocks of N
+(docs/results/2026-12-07-wide-int8-blocks.md; default: the int8 head's). Files not rewritten are hard links.
 """
 
 import argparse
@@ -26,6 +27,7 @@ parser.add_argument("role", choices=["target", "draft"])
 parser.add_argument("--as-target", action="store_true")
 parser.add_argument("--no-screen", action="store_true")
 parser.add_argument("--any-size", action="store_true", help="screen a head below MIN_HEAD_ELEMENTS too")
+parser.add_argument("--copy-block", type=int, default=None, help="the int4 copy's block (default: the head's)")
 args = parser.parse_args()
 
 manifest = json.loads((args.src / "manifest.json").read_text())
@@ -43,7 +45,8 @@ for path in args.src.rglob("*"):
     elif rel.name != "manifest.json":
         os.link(path, args.dst / rel)
 if not args.no_screen:
-    print(add_head_screen(args.dst / entry["graph"], entry["vocab_size"], min_elements=0 if args.any_size else MIN_HEAD_ELEMENTS))
+    print(add_head_screen(args.dst / entry["graph"], entry["vocab_size"], min_elements=0 if args.any_size else MIN_HEAD_ELEMENTS,
+                         copy_block=args.copy_block))
     for rel in sorted(rewritten):
         data = (args.dst / rel).read_bytes()
         manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}

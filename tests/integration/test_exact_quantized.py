@@ -36,7 +36,7 @@ def near_tie_target(tiny_model):
 def int4_self(near_tie_target, export, load_generator):
     """int4 target + its own int4 copy as the draft: accepts nearly everything, so most committed
     tokens' K/V come from verify passes."""
-    return load_generator(export(near_tie_target, draft="self-int4", precision="int4"))
+    return load_generator(export(near_tie_target, draft="self-int4", precision="int4", exact=True))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def int4_perturbed(near_tie_target, tiny_model, export, load_generator):
     """int4 target + a perturbed int4 draft: frequent rejections and corrections."""
     draft = tiny_model("llama", DRAFT_SEED, config={"initializer_range": NEAR_TIE_STD},
                        perturb=(near_tie_target, 0.1))
-    return load_generator(export(near_tie_target, draft=draft, precision="int4"))
+    return load_generator(export(near_tie_target, draft=draft, precision="int4", exact=True))
 
 
 def _kv_rows(kv, start: int, n: int) -> list[np.ndarray]:

@@ -49,12 +49,15 @@ def test_the_tuned_target_is_quantized_at_the_recorded_choice(tuned_bundle):
 
 
 def test_the_tuned_draft_is_quantized_at_its_own_choice_without_requiring_exactness(tuned_bundle):
+    from specedge.export.mixquant import WIDE_INT8_BLOCK
+
     manifest = load_manifest(tuned_bundle)
     tuning = manifest.extra.quant_tuning["draft"]
     assert tuning.step_rows == 1 and manifest.extra.quant_tuning["target"].step_rows == 2
     assert [c.block_size for c in tuning.candidates] == list(CANDIDATE_BLOCKS)
     assert tuning.chosen == choose(tuning.candidates, require_exact=False)
-    assert _block_sizes(tuned_bundle / manifest.draft.graph) == {tuning.chosen}
+    # a draft's 8-bit layers take the wide block even in an exact export (its rows never reach the output)
+    assert _block_sizes(tuned_bundle / manifest.draft.graph) == {tuning.chosen, max(tuning.chosen, WIDE_INT8_BLOCK)}
     default = min(tuning.candidates, key=lambda c: c.block_size)
     assert tuning.candidate(tuning.chosen).greedy_agreement >= default.greedy_agreement
     out = CliRunner().invoke(main, ["info", str(tuned_bundle)])
@@ -97,11 +100,15 @@ def test_info_says_what_was_chosen_and_where(tuned_bundle, monkeypatch):
     assert described["extra"]["quant_tuning"]["target"]["chosen"] == tuning.chosen
 
 
-def test_an_explicit_block_size_is_not_tuned(tiny_model, export):
-    bundle = export(tiny_model("llama"), precision="int4", block_size=64)
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_explicit_block_size_is_not_tuned(tiny_model, export, exact):
+    from specedge.export.mixquant import WIDE_INT8_BLOCK
+
+    bundle = export(tiny_model("llama"), precision="int4", block_size=64, exact=exact)
     manifest = load_manifest(bundle)
     assert manifest.extra.quant_tuning == {}
-    assert _block_sizes(bundle / manifest.target.graph) == {64}
+    # the mix's 8-bit layers take the wide block in a fast-mode export, the chosen block in an exact one
+    assert _block_sizes(bundle / manifest.target.graph) == ({64} if exact else {64, WIDE_INT8_BLOCK})
 
 
 def test_the_cli_tunes_the_block_only_without_an_explicit_block_size(tiny_model, tmp_path, monkeypatch):

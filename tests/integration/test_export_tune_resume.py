@@ -60,10 +60,12 @@ def _tuning(bundle: Path):
 
 
 def _block_sizes(bundle: Path) -> set[int]:
+    """The target's int4 blocks (a fast-mode export's 8-bit layers take export/mixquant.py WIDE_INT8_BLOCK)."""
     import onnx
 
     model = onnx.load(str(bundle / load_manifest(bundle).target.graph), load_external_data=False)
-    return {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+    attrs = [{a.name: a.i for a in n.attribute} for n in model.graph.node if n.op_type == "MatMulNBits"]
+    return {a["block_size"] for a in attrs if a["bits"] == 4}
 
 
 def test_a_stopped_tuning_ships_what_was_measured_and_the_same_export_resumes(tiny_model, tmp_path, cache,

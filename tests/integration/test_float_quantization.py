@@ -97,6 +97,10 @@ def test_mixes_choose_per_tensor():
     default = make_plan(DEFAULT_MIX, 8, block=64)
     assert default("layers.3.gate_up").block == default("lm_head").block == 64
     assert make_plan("rtn-sym4", 8)("lm_head") == TensorQuant(4, 32, True)
+    wide = make_plan("asym4-head8-more", 8, int8_layer_block=128)  # a fast-mode export's 8-bit layers
+    assert wide("layers.0.down") == wide("layers.7.qkv") == TensorQuant(8, 128, True)
+    assert wide("lm_head") == wide("embed") == TensorQuant(8, 32, True)  # a tied head reads the embedding's
+    assert wide("layers.1.down") == plan("layers.1.down")
     embed4 = make_plan("asym4-head8-embed4", 8)
     assert embed4("lm_head").bits == 8 and embed4("embed") == TensorQuant(4, 32, False, search=True)
 
@@ -273,16 +277,22 @@ def default_int4_bundle(tiny_model, export) -> Path:
     return export(tiny_model("llama"), draft="self-int4", precision="int4")
 
 
-def test_export_records_each_tensors_choice(default_int4_bundle, tiny_model, export):
+@pytest.mark.parametrize("exact", [False, True])
+def test_export_records_each_tensors_choice(default_int4_bundle, tiny_model, export, exact):
     from specedge.bundle.manifest import load_manifest
-    from specedge.export.mixquant import draft_mix
+    from specedge.export.mixquant import WIDE_INT8_BLOCK, draft_mix
 
-    manifest = load_manifest(default_int4_bundle)
+    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", exact=True) if exact \
+        else default_int4_bundle
+    manifest = load_manifest(bundle)
     n_layers = manifest.target.n_layers
     assert draft_mix(DEFAULT_MIX) == "asym4-head8-more"
     for role, mix in (("target", DEFAULT_MIX), ("draft", draft_mix(DEFAULT_MIX))):
-        plan = make_plan(mix, n_layers)
+        # fast mode's 8-bit layers in wide blocks; an exact export's target keeps them at the int4 block
+        plan = make_plan(mix, n_layers, int8_layer_block=32 if exact and role == "target" else WIDE_INT8_BLOCK)
         record = manifest.extra.quantization[role]
+        assert {t.block_size for n, t in record.tensors.items() if t.bits == 8 and n.startswith("layers.")} == \
+            {32 if exact and role == "target" else 128}
         assert record.mix == mix
         names = {f"layers.{i}.{w}" for i in range(n_layers) for w in ("qkv", "o", "gate_up", "down")}
         assert set(record.tensors) == names | {"lm_head", "embed"}
@@ -303,7 +313,7 @@ def test_a_tied_model_stores_its_head_once(tiny_model, export, load_generator):
     says so, the bundle is smaller than the two copies were, and self-speculation still equals greedy."""
     from specedge.bundle.manifest import load_manifest
 
-    bundle = export(tiny_model("qwen2"), draft="self-int4", precision="int4")
+    bundle = export(tiny_model("qwen2"), draft="self-int4", precision="int4", exact=True)
     manifest = load_manifest(bundle)
     for role in ("target", "draft"):
         tensors = manifest.extra.quantization[role].tensors
@@ -313,10 +323,11 @@ def test_a_tied_model_stores_its_head_once(tiny_model, export, load_generator):
     assert_model_drafts_equal_plain(load_generator(bundle))
 
 
-def test_default_mix_keeps_speculation_equal_to_greedy(default_int4_bundle, load_generator):
+def test_default_mix_keeps_speculation_equal_to_greedy(tiny_model, export, load_generator):
     """The default mix's self-int4 draft (rounded without the target's error feedback, so the two differ):
-    speculation equals plain greedy decoding of the target."""
-    assert_model_drafts_equal_plain(load_generator(default_int4_bundle))
+    exact-mode speculation equals plain greedy decoding of the target, exported for exact mode."""
+    assert_model_drafts_equal_plain(load_generator(export(tiny_model("llama"), draft="self-int4", precision="int4",
+                                                          exact=True)))
 
 
 def test_unknown_mix_is_refused():

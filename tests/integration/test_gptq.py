@@ -155,7 +155,8 @@ def test_a_gptq_export_records_its_method_and_speculation_stays_exact(tiny_model
 
     """The target is rounded with error feedback; its self-int4 draft with the same forms searched plainly
     (export/mixquant.py draft_mix), so the two differ and speculation corrects the draft."""
-    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", quant_mix="asym4-head8-more-gptq")
+    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", quant_mix="asym4-head8-more-gptq",
+                    exact=True)  # exported for the exact-mode check below
     manifest = load_manifest(bundle)
     plan = make_plan("asym4-head8-more-gptq", manifest.target.n_layers)
     for role, mix, method in (("target", "asym4-head8-more-gptq", "gptq"), ("draft", "asym4-head8-more", "search")):

@@ -105,8 +105,41 @@ def test_rescored_rows_match_the_int8_head(screened, unscreened):
     assert differs.any()
 
 
-def test_exact_speculation_with_a_screened_head_equals_plain(screened, load_generator):
-    assert_model_drafts_equal_plain(load_generator(screened))
+def test_exact_speculation_with_a_screened_head_equals_plain(tiny_model, export, load_generator):
+    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", head_screen_rows=ROWS, exact=True)
+    assert_model_drafts_equal_plain(load_generator(bundle))
+
+
+def _screen_block(bundle: Path, role: str = "target") -> int:
+    matmul = next(n for n in _ops(bundle / role / "model.onnx") if n.name.endswith("_screen_matmul"))
+    return next(a.i for a in matmul.attribute if a.name == "block_size")
+
+
+def test_a_fast_export_widens_the_screen_copy_and_an_exact_one_keeps_the_head_block(tiny_model, export):
+    from specedge.export.mixquant import WIDE_INT8_BLOCK
+
+    model = tiny_model("llama", config={"hidden_size": 128, "intermediate_size": 256})
+    fast = export(model, draft="self-int4", precision="int4", head_screen_rows=ROWS)
+    exact = export(model, draft="self-int4", precision="int4", head_screen_rows=ROWS, exact=True)
+    assert _screen_block(fast) == _screen_block(fast, "draft") == WIDE_INT8_BLOCK == 128
+    assert _screen_block(exact) == 32  # the int8 head's block: row-invariant kernels
+    assert _screen_block(exact, "draft") == WIDE_INT8_BLOCK  # a draft's rows never reach the output
+    # the wide copy only ranks: the greedy token is the int8 head's on every position
+    ids = [1, 5, 9, 13, 2, 7, 40, 41, 42, 100, 200, 250, 17, 3]
+    unscreened = export(model, draft="self-int4", precision="int4", head_screen_rows=0)
+    want = _prefill_logits(unscreened, ids).argmax(-1)
+    assert (_prefill_logits(fast, ids).argmax(-1) == want).all()
+    assert (_prefill_logits(exact, ids).argmax(-1) == want).all()
+
+
+def test_a_copy_block_that_does_not_divide_the_hidden_size_falls_back_to_the_head_block(unscreened, tmp_path):
+    import shutil
+
+    from specedge.export.head_screen import add_head_screen
+
+    folder = shutil.copytree(unscreened / "target", tmp_path / "target")
+    screened = add_head_screen(folder / "model.onnx", 300, rows=ROWS, min_elements=0, copy_block=128)
+    assert screened is not None and screened.hidden == 64 and screened.copy_block == screened.block == 32
 
 
 def test_negative_rows_are_refused():

@@ -107,7 +107,8 @@ def test_an_imatrix_export_records_its_method(tiny_model, export, load_generator
     from specedge.bundle.manifest import load_manifest
     from specedge.export.mixquant import make_plan
 
-    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", quant_mix="asym4-head8-more-imatrix")
+    bundle = export(tiny_model("llama"), draft="self-int4", precision="int4", quant_mix="asym4-head8-more-imatrix",
+                    exact=True)  # exported for the exact-mode check below
     manifest = load_manifest(bundle)
     plan = make_plan("asym4-head8-more-imatrix", manifest.target.n_layers)
     for role in ("target", "draft"):
