@@ -377,8 +377,8 @@ def make_plan(mix: str, n_layers: int, block: int = 32, int8_layer_block: int | 
     return plan
 
 
-# The block of a -more mix's 8-bit layer weights in a bundle exported for fast mode (not --exact). 255
-# levels leave a wide block's rounding far below the int4 weights' (SmolLM2 default mix, KL divergence from
+# The block of a -more mix's 8-bit layer weights in a bundle exported for fast mode (not --exact). 256
+# levels keep a wide block's rounding far below the int4 weights' (SmolLM2 default mix, KL divergence from
 # the source 0.0925 -> 0.0911 nats at block 128), and a step reads 8.25 bits a weight instead of 9. Not for
 # exact mode: on ONNX Runtime 1.32's CPU kernels an 8-bit block of 128 (an int4 block of 64) computes
 # the odd rows of a 3-, 5-, 7- or 9-row verify apart from a 2-row step's (bit-level differences; block 32
