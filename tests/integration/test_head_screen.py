@@ -126,10 +126,9 @@ def test_a_fast_export_widens_the_screen_copy_and_an_exact_one_keeps_the_head_bl
     assert _screen_block(exact, "draft") == WIDE_INT8_BLOCK  # a draft's rows never reach the output
     # the wide copy only ranks: the greedy token is the int8 head's on every position
     ids = [1, 5, 9, 13, 2, 7, 40, 41, 42, 100, 200, 250, 17, 3]
-    unscreened = export(model, draft="self-int4", precision="int4", head_screen_rows=0)
-    want = _prefill_logits(unscreened, ids).argmax(-1)
-    assert (_prefill_logits(fast, ids).argmax(-1) == want).all()
-    assert (_prefill_logits(exact, ids).argmax(-1) == want).all()
+    for screened, exact_layout in ((fast, False), (exact, True)):  # each beside its own layout's int8 head
+        unscreened = export(model, draft="self-int4", precision="int4", head_screen_rows=0, exact=exact_layout)
+        assert (_prefill_logits(screened, ids).argmax(-1) == _prefill_logits(unscreened, ids).argmax(-1)).all()
 
 
 def test_a_copy_block_that_does_not_divide_the_hidden_size_falls_back_to_the_head_block(unscreened, tmp_path):
