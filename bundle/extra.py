@@ -783,7 +783,8 @@ class ManifestExtra:
     """
 
     validation: dict[str, ValidationRecord | ComparisonRecord] = field(default_factory=dict)
-    batch_variance: dict[str, float] = field(default_factory=dict)  # role -> max |verify - step| logit difference
+    # role -> max |verify - step| logit difference (among each row's top tokens: export/validate.py)
+    batch_variance: dict[str, float] = field(default_factory=dict)
     exact_steps: dict[str, ExactSteps] = field(default_factory=dict)
     context_warnings: dict[str, str] = field(default_factory=dict)
     unknown_config_fields: dict[str, tuple[str, ...]] = field(default_factory=dict)

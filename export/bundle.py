@@ -289,9 +289,8 @@ class _ModelExporter:
         from .head_screen import add_head_screen
         from .mixquant import WIDE_INT8_BLOCK
 
-        exact = self.config.exact and role == "target"
         screened = add_head_screen(graph, vocab, self.config.head_screen_rows,
-                                   copy_block=None if exact else WIDE_INT8_BLOCK)
+                                   copy_block=None if self._exact_layout(role) else WIDE_INT8_BLOCK)
         if screened is not None:
             self.progress(f"{role}: int8 output head screened by an int4 copy (block {screened.copy_block}); "
                           f"each position's top "
@@ -313,13 +312,17 @@ class _ModelExporter:
             return None
         return make_plan(self._mix(role), n_layers, block, int8_layer_block=self._wide_block(role, block))
 
+    def _exact_layout(self, role: str) -> bool:
+        """Whether ``role``'s graph keeps the row-invariant layout: the target of an ``export --exact``, whose
+        plain steps must equal its verify rows bit for bit. A draft's rows never reach the output."""
+        return self.config.exact and role == "target"
+
     def _wide_block(self, role: str, block: int) -> int:
         """The block of ``role``'s weights whose rounding does not need ``block`` (export/mixquant.py
-        ``WIDE_INT8_BLOCK``): wider for fast mode, ``block`` for an exact target, whose plain steps must equal
-        its verify rows bit for bit. A draft's rows never reach the output."""
+        ``WIDE_INT8_BLOCK``): wider for fast mode, ``block`` for the exact layout."""
         from .mixquant import WIDE_INT8_BLOCK
 
-        return block if self.config.exact and role == "target" else max(block, WIDE_INT8_BLOCK)
+        return block if self._exact_layout(role) else max(block, WIDE_INT8_BLOCK)
 
     def _importance(self, role: str, bits: int, spec, src_entry: ModelEntry, src_graph: Path) -> dict | None:
         """Each weight's activation importance on the calibration texts (export/importance.py), when the mix

@@ -44,3 +44,27 @@ def test_explain_measures_gap_at_first_divergence(gen):
     assert d.top2_gap == pytest.approx(top[1] - top[0])
     assert d.near_tie == (d.top2_gap < NEAR_TIE_GAP)
     assert explain(gen.target, prompt, base, base) is None
+
+
+def test_batch_variance_counts_only_the_tokens_that_could_win():
+    """The near-tie bound (export/validate.py batch_variance) is measured where an argmax can flip: among
+    each row's top tokens. A screened head's tail moves with the row count by up to a logit; that must not
+    widen the bound, while a difference at the top must."""
+    from specedge.export.validate import _top_difference
+
+    rng = np.random.default_rng(0)
+    step = rng.normal(size=(3, 1000))
+    step[:, :10] += 20.0  # the ten tokens that can win
+    step[:, 500:] -= 20.0  # the unrescored tail, far below
+    tail_moved = step.copy()
+    tail_moved[:, 500:] += rng.uniform(-1.0, 1.0, size=(3, 500))
+    assert _top_difference(tail_moved, step, 64) == 0.0
+    assert _top_difference(tail_moved, step, 1000) == pytest.approx(np.abs(tail_moved - step).max())  # whole row
+    top_moved = step.copy()
+    top_moved[1, 3] -= 0.25
+    assert _top_difference(top_moved, step, 64) == pytest.approx(0.25)
+    # A token that climbs into one row's top only (it is in b's top, not a's) still counts.
+    climbed = step.copy()
+    climbed[2, 900] = 30.0
+    assert _top_difference(step, climbed, 4) == pytest.approx(30.0 - step[2, 900])
+    assert _top_difference(climbed, step, 4) == pytest.approx(30.0 - step[2, 900])
