@@ -219,7 +219,7 @@ class _ModelExporter:
             tol = FP32_RELATIVE_TOLERANCE if precision == "fp32" else FP16_RELATIVE_TOLERANCE
             report = validate_graph(self.loaded.model, entry, graph, relative_tolerance=tol, **check)
             self.reports[f"{role}:{precision}"] = report
-            self.batch_variance[role] = batch_variance(entry, graph)
+            self.batch_variance[role] = batch_variance(entry, graph, max_verify=cfg.max_draft_tokens + 1)
             return entry
         # Weight-only int4/int8: quantize a validated fp32 graph (untied lm_head so the output
         # layer, often the biggest matrix, is quantized too).
@@ -277,7 +277,7 @@ class _ModelExporter:
                 self.loaded.model, entry, graph, layers=layers, head_ids=head_ids)
         self.progress(f"{role}: measuring verify rows against single steps (batch variance)")
         release_memory()  # an ORT session is freed by the collector (reference cycles): one session at a time
-        self.batch_variance[role] = batch_variance(entry, graph)
+        self.batch_variance[role] = batch_variance(entry, graph, max_verify=cfg.max_draft_tokens + 1)
         release_memory()
         shutil.rmtree(scratch)
         return entry

@@ -196,26 +196,29 @@ def compare_graphs(entry_a: ModelEntry, graph_a: Path, entry_b: ModelEntry, grap
 # screen's tail (Qwen2.5-Coder-1.5B: 1.23 over every token, 0.24 over the top 64 of either row, the
 # same 0.24 as the top 16; the top 256 already reach the tail). 64 ranks leave room on flat distributions.
 VARIANCE_TOP_TOKENS = 64
-# Verify lengths measured: the CPU kernels pick their path by the number of rows (2 rows can match a
-# 1-row step where 3..9 do not), so a bound from one length would not cover the others.
+# Verify lengths measured (up to the bundle's largest, k + 1, which is measured too): the CPU kernels pick
+# their path by the number of rows (2 rows can match a 1-row step where 3..9 do not), so a bound from one
+# length would not cover the others.
 VARIANCE_VERIFY_LENGTHS = (2, 3, 5, 9)
 
 
-def batch_variance(entry: ModelEntry, graph: Path, *, verify_lengths: tuple[int, ...] = VARIANCE_VERIFY_LENGTHS,
-                   prefix: int = 16, trials: int = 4, top: int = VARIANCE_TOP_TOKENS, seed: int = 1) -> float:
+def batch_variance(entry: ModelEntry, graph: Path, *, max_verify: int = 9, prefix: int = 16, trials: int = 4,
+                   top: int = VARIANCE_TOP_TOKENS, seed: int = 1) -> float:
     """Largest logit difference between the rows of a multi-token step and the same tokens one at a time,
     over the tokens ranked in the first ``top`` of either row (the whole row when it is that narrow).
 
     This is how far the graph is from batch-invariant where it matters: a greedy argmax can only differ
     between speculative and plain decoding where the top-2 gap is below twice this
     (runtime/verify.py ``near_tie_gap``). ``trials`` random prompts of ``prefix`` tokens, each followed
-    by a verify of every length in ``verify_lengths`` (that fit the context).
+    by a verify of every length of VARIANCE_VERIFY_LENGTHS up to ``max_verify`` (the bundle's largest k + 1),
+    and of ``max_verify`` itself, that fits the context.
     """
+    lengths = sorted({n for n in VARIANCE_VERIFY_LENGTHS if n < max_verify} | {max(2, max_verify)})
     rng = np.random.default_rng(seed)
     engine = OrtEngine(entry, graph, EngineOptions())
     worst = 0.0
     for _ in range(trials):
-        for verify in verify_lengths:
+        for verify in lengths:
             if prefix + verify > entry.max_context:
                 continue
             ids = rng.integers(0, entry.vocab_size, size=prefix + verify).astype(np.int64)

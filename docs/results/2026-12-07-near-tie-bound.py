@@ -12,7 +12,7 @@ flipped, with their top-2 gap. TRIALS random 16-token prompts (default 6), each 
 suite: every prompt of the bench suite, fast 1-row plain decoding against fast speculation (the default
 drafter, n-gram k=4, suffix k=8, and with a draft model k=2 and k=5); at each divergence, the target's
 top-2 gap (runtime/divergence.explain) against the near-tie bound the bundle recorded and the one a new
-export records (twice ``batch_variance``).
+export records (twice ``batch_variance``, at least runtime/verify.py's NEAR_TIE_GAP).
 """
 import sys
 from pathlib import Path
@@ -26,6 +26,7 @@ from specedge.engines.ort import OrtEngine
 from specedge.export.validate import batch_variance
 from specedge.runtime.divergence import explain
 from specedge.runtime.generator import Generator
+from specedge.runtime.verify import near_tie_gap
 
 RANKS = (1, 4, 16, 64, 256)
 
@@ -70,7 +71,8 @@ def ranks(bundle: Path, role: str = "target", trials: int = 6) -> None:
 def suite(bundle: Path, max_new_tokens: int = 48) -> None:
     manifest = load_manifest(bundle, verify_checksums=False)
     gen = Generator.from_bundle(bundle, threads=2)
-    new_bound = 2 * batch_variance(manifest.target, resolve_inside(bundle, manifest.target.graph))
+    new_bound = near_tie_gap(manifest.target.precision,
+                             batch_variance(manifest.target, resolve_inside(bundle, manifest.target.graph)))
     configs = [{}, {"drafter": "ngram", "draft_tokens": 4, "adaptive": False},
                {"drafter": "suffix", "draft_tokens": 8, "adaptive": False}]
     if gen.draft is not None:
