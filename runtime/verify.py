@@ -18,9 +18,10 @@ from .sampling import SamplingConfig, sample, warp
 # A top-2 logit gap below this is a "near-tie": there a (k+1)-token verify may pick a
 # different argmax than a 1-token step, because float sums are not batch-invariant.
 # Export measures each graph's verify-vs-step logit difference among each row's top tokens
-# (export/validate.py batch_variance) and the Generator uses twice that (see near_tie_gap()). This default is for bundles without the measurement:
-# fp32 graphs differ by <1e-5 (0 on the fused-GQA SmolLM2 graph), int4 MatMulNBits with
-# int8 activations by 0.2-1.0 logits (Qwen2.5 1.5B, SmolLM2 135M, measured here).
+# (export/validate.py batch_variance) and the Generator uses twice that (see near_tie_gap()).
+# This default is for bundles without the measurement: fp32 graphs differ by <1e-5 (0 on the
+# fused-GQA SmolLM2 graph), int4 MatMulNBits with int8 activations by 0.2-1.0 logits (Qwen2.5
+# 1.5B, SmolLM2 135M, measured here).
 NEAR_TIE_GAP = 1e-3
 QUANTIZED_NEAR_TIE_GAP = 2.0
 
