@@ -300,6 +300,34 @@ def test_server_wide_no_speculation(gen):
         srv.close()
 
 
+def test_serving_lowers_the_switch_interval_and_the_last_app_to_stop_restores_it(served):
+    """A streamed delta waits for the GIL at each hand-off to the event loop for up to the switch
+    interval (server/app.py HANDOFF_SWITCH_INTERVAL_S); a process that serves gets the short one, and
+    gets its own back once no app serves (two apps here, as the preemptive bench runs three)."""
+    import sys
+
+    from specedge.server.app import HANDOFF_SWITCH_INTERVAL_S, _SwitchInterval
+
+    assert sys.getswitchinterval() <= HANDOFF_SWITCH_INTERVAL_S + 1e-9  # ``served`` is serving
+    saved = sys.getswitchinterval()
+    counter = _SwitchInterval()
+    try:
+        sys.setswitchinterval(0.004)
+        counter.enter()
+        counter.enter()
+        assert sys.getswitchinterval() <= HANDOFF_SWITCH_INTERVAL_S + 1e-9
+        counter.exit()
+        assert sys.getswitchinterval() <= HANDOFF_SWITCH_INTERVAL_S + 1e-9  # one app still serves
+        counter.exit()
+        assert abs(sys.getswitchinterval() - 0.004) < 2e-6  # kept in whole microseconds
+        sys.setswitchinterval(0.0001)  # a caller's shorter interval is kept, not raised
+        counter.enter()
+        assert abs(sys.getswitchinterval() - 0.0001) < 2e-6
+        counter.exit()
+    finally:
+        sys.setswitchinterval(saved)
+
+
 # ----------------------------------------------------------------------------- concurrency
 def test_sixteen_concurrent_clients_all_served_equal_to_serial(served, gen):
     prompts = [f"t{100 + i} t{150 + i}" for i in range(16)]
