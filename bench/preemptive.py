@@ -25,6 +25,11 @@ cancelled attempt may hold the worker for at most a step, and what the attempts 
 :class:`BoundTimer` times both on the preemptive server's own target session right after each turn
 (the same machine load), and the report gives TTFT / bound with the final request's queue wait and
 in-worker prefill.
+
+Replies: fast mode (the default) may part ways only at a near tie, and a prefix reused from a slot is
+computed in other splits than a cold prefill. Where a configuration's final reply differs from the cold
+one's on the same prompt, the report gives the target's top-2 logit gap at the first differing token
+against the bundle's near-tie bound (runtime/divergence.py); one that is not a near tie is a wrong reply.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InvalidParameterError
+from ..runtime.divergence import Divergence, explain
 from ..runtime.slots import common_prefix
 from .conversation import Conversation
 
@@ -243,12 +249,36 @@ class PreemptiveTurn:
     server_prefill_s: float | None = None  # the final request's prefill inside the worker (its stats)
     bound: TurnBound | None = None  # preemptive turns: timed right after the turn (BoundTimer)
     prompt_ids: list[int] = field(default_factory=list, repr=False)  # the final request's (not reported)
+    reply_ids: list[int] = field(default_factory=list, repr=False)  # its reply's tokens (not reported)
+
+
+@dataclass(frozen=True)
+class ReplyDivergence:
+    """A turn whose final reply in ``config`` differs from the cold configuration's, on the same prompt.
+    Fast mode (the default) may part ways at a near tie: a prefix reused from a slot is computed in other
+    splits than a cold prefill, and the target's top-2 logits there are within the bundle's bound."""
+
+    turn: int
+    config: str
+    divergence: Divergence
+
+    def as_dict(self) -> dict:
+        return {"turn": self.turn, "config": self.config, **self.divergence.as_dict()}
 
 
 @dataclass
 class PreemptiveReport:
     turns: list[PreemptiveTurn] = field(default_factory=list)
     identical: bool = True  # the final replies are the same text in every configuration
+    # Where they are not, on the same prompt as the cold configuration's: the top-2 gap there.
+    divergences: list[ReplyDivergence] = field(default_factory=list)
+    # Turns whose prompt already differs from the cold one's (an earlier reply differed): not compared.
+    uncompared: int = 0
+
+    @property
+    def near_ties_only(self) -> bool:
+        """Every difference from the cold replies is a near tie (none is a wrong reply)."""
+        return all(d.divergence.near_tie for d in self.divergences)
 
     def summary(self) -> dict:
         out = {}
@@ -287,7 +317,9 @@ class PreemptiveReport:
                 row["bound"] = {**t.bound.__dict__, "bound_s": t.bound.bound_s}
             return row
 
-        return {"identical": self.identical, "summary": self.summary(), "turns": [turn(t) for t in self.turns]}
+        return {"identical": self.identical, "near_ties_only": self.near_ties_only,
+                "divergences": [d.as_dict() for d in self.divergences], "uncompared_turns": self.uncompared,
+                "summary": self.summary(), "turns": [turn(t) for t in self.turns]}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -384,7 +416,9 @@ def run_preemptive(servers: dict, conversation: Conversation, *, plan: CancelPla
                                                final.text, attempts,
                                                queue_s=final_job.queue_s if final_job is not None else None,
                                                server_prefill_s=stats.prefill_s if stats is not None else None,
-                                               prompt_ids=list(final_job.prompt_ids) if final_job is not None else []))
+                                               prompt_ids=list(final_job.prompt_ids) if final_job is not None else [],
+                                               reply_ids=list(final_job.result.token_ids)
+                                               if final_job is not None and final_job.result is not None else []))
             if config == "preemptive" and timer is not None and final_job is not None:  # the worker is idle now
                 report.turns[-1].bound = timer(report.turns[-1].prompt_ids, report.turns[-1].reused_tokens)
             replies.add(final.text)
@@ -392,7 +426,29 @@ def run_preemptive(servers: dict, conversation: Conversation, *, plan: CancelPla
             if progress is not None:
                 progress(config, turn)
         report.identical &= len(replies) == 1
+        if len(replies) > 1:
+            _explain_turn(report, servers, turn)
     return report
+
+
+def _explain_turn(report: PreemptiveReport, servers: dict, turn: int) -> None:
+    """Measure where each configuration's reply leaves the cold one's (or, without a cold configuration,
+    the first one's), when their prompts are the same: the target's top-2 gap there, against the
+    bundle's near-tie bound (runtime/divergence.explain, a plain prefill on the 1-row target)."""
+    rows = {t.config: t for t in report.turns if t.turn == turn}
+    base_config = "cold" if "cold" in rows else next(iter(rows))
+    base = rows[base_config]
+    generator = servers[base_config].generator
+    for config, row in rows.items():
+        if config == base_config or row.reply_ids == base.reply_ids:
+            continue
+        if row.prompt_ids != base.prompt_ids or not base.prompt_ids:
+            report.uncompared += 1
+            continue
+        found = explain(generator.target.inner, base.prompt_ids, base.reply_ids, row.reply_ids,
+                        near_tie=generator.near_tie_gap)
+        if found is not None:  # None: one reply is a prefix of the other (a stop or length cut)
+            report.divergences.append(ReplyDivergence(turn, config, found))
 
 
 def format_report(report: PreemptiveReport, plan: CancelPlan) -> str:
@@ -432,5 +488,13 @@ def format_report(report: PreemptiveReport, plan: CancelPlan) -> str:
             lines.append(f"| {t.turn + 1} | {b.new_tokens} | {b.step_s * 1e3:.0f} | {b.prefill_s * 1e3:.0f} "
                          f"({rate:.0f}) | {b.bound_s * 1e3:.0f} | {t.ttft_s * 1e3:.0f} | {queue} | {server} | "
                          f"{t.ttft_s / b.bound_s:.2f} |")
-    lines += ["", "final replies identical across configurations: " + ("yes" if report.identical else "NO")]
+    lines += ["", "final replies identical across configurations: " + ("yes" if report.identical else "no")]
+    for d in report.divergences:
+        g = d.divergence
+        lines.append(f"- turn {d.turn + 1}, {d.config}: parts from the cold reply at token {g.index}, where the "
+                     f"target's top-2 logits are {g.top2_gap:.3g} apart: "
+                     + (f"a near tie (bound {g.threshold:.3g})" if g.near_tie
+                        else f"NOT a near tie (bound {g.threshold:.3g}): a wrong reply, please report it"))
+    if report.uncompared:
+        lines.append(f"- {report.uncompared} later reply(ies) not compared: their history already holds a differing reply")
     return "\n".join(lines)

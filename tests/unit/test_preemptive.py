@@ -122,3 +122,40 @@ def test_the_preemptive_bench_through_the_server_reuses_the_prefix_and_replies_a
         assert final.reused_tokens >= rows["single", turn].reused_tokens
         assert turn == 0 or final.reused_tokens > 0
 
+
+
+def test_a_reply_that_differs_from_the_cold_one_is_measured_against_the_near_tie_bound(reference):
+    """bench/preemptive.py _explain_turn: a reply that leaves the cold reply on the same prompt gets the
+    target's top-2 gap at the first differing token, judged against the bundle's bound; a turn whose
+    prompt already differs (an earlier reply differed) is counted, not compared; a cut reply (a prefix
+    of the other) is no divergence."""
+    from types import SimpleNamespace
+
+    from specedge.bench.preemptive import CancelPlan, PreemptiveReport, PreemptiveTurn, _explain_turn, format_report
+
+    gen = reference()
+    prompt = SYSTEM + USER + TAIL
+    cold = gen.generate(input_ids=prompt, max_new_tokens=8, temperature=0, exact=True).token_ids
+    parted = cold[:3] + [(cold[3] + 1) % 50 + 3]  # leaves the cold reply at token 3
+
+    def turn(config: str, turn_index: int, prompt_ids: list[int], reply: list[int]) -> PreemptiveTurn:
+        return PreemptiveTurn(config, turn_index, len(prompt_ids), 0, 0.1, "", prompt_ids=prompt_ids,
+                              reply_ids=reply)
+
+    servers = {name: SimpleNamespace(generator=gen) for name in ("cold", "single", "preemptive")}
+    for bound, near in ((1e9, True), (0.0, False)):
+        gen.near_tie_gap = bound
+        report = PreemptiveReport([turn("cold", 0, prompt, cold), turn("single", 0, prompt, parted),
+                                   turn("preemptive", 0, prompt, cold[:5]),  # cut short: a prefix, not a divergence
+                                   turn("cold", 1, prompt + [9], cold), turn("single", 1, prompt + [10], parted)])
+        _explain_turn(report, servers, 0)
+        _explain_turn(report, servers, 1)
+        (found,) = report.divergences
+        assert (found.turn, found.config) == (0, "single") and report.uncompared == 1
+        assert found.divergence.index == 3 and found.divergence.tokens == (cold[3], parted[3])
+        assert found.divergence.top2_gap >= 0 and found.divergence.near_tie is near
+        assert report.near_ties_only is near
+        text = format_report(report, CancelPlan())
+        assert ("apart: a near tie" in text) is near and ("NOT a near tie" in text) is not near
+        assert "1 later reply(ies) not compared" in text
+        assert report.to_json()["divergences"][0]["config"] == "single"
