@@ -356,10 +356,11 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 # The worker thread runs Python between its forwards (drafting, detokenising, the controller) and
 # holds the GIL meanwhile; the event loop that writes each streamed delta to its client waits for
 # the GIL at every hand-off (the loop's wake-up, the socket write) for up to the interpreter's switch
-# interval, 5 ms by default. Measured on SmolLM2 (2-core Xeon model 207, a 10-turn call, reused
-# prefix): a delta reached its client 7.5-10.8 ms after the worker emitted it at 5 ms, 2.8 at 1 ms,
-# 1.8 at 0.5 ms, 1.0 at 0.2 ms, with decode speed unchanged; time to first token 72-82 -> 66-67 ms.
-# 0.5 ms takes most of the gain while a forced switch stays rare next to a forward.
+# interval, 5 ms by default. Measured on SmolLM2 and the Qwen pair (2-core Xeon model 207, a 10-turn
+# call, reused prefix; docs/results/2026-12-08-voice-path-handoff.md): a delta reached its client
+# 5.8-7.7 ms after the worker emitted it at 5 ms, 2.7 at 1 ms, 1.7-1.9 at 0.5 ms, 1.2-1.4 at 0.2 ms,
+# decode speed unchanged. 0.5 ms takes most of the gain while a forced switch stays rare next to a
+# forward.
 HANDOFF_SWITCH_INTERVAL_S = 0.0005
 
 
