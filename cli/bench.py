@@ -268,7 +268,9 @@ def threads(bundle, prompts, max_new_tokens, repeats, draft_tokens, spinning) ->
               help="Preemptive generation through the server (configs cold, single, preemptive): each turn sends "
               "--attempts requests on growing prefixes of the user's words, each cancelled (the client closes "
               "the stream), then the final one. Reports the final TTFT against its bound (1 target step + the "
-              "prefill of its uncached tokens, both timed right after each turn) and cancel-to-free p50/p90/max.")
+              "prefill of its uncached tokens, both timed right after each turn) and cancel-to-free p50/p90/max; a "
+              "final reply that differs from the cold one is measured against the bundle's near-tie bound (exit "
+              "status 1 outside it).")
 @click.option("--attempts", type=click.IntRange(0, 3), default=3, show_default=True,
               help="With --preemptive: cancelled requests per turn (LiveKit retries up to 3).")
 @click.option("--cancel-after-ms", default="150-400", show_default=True,
@@ -363,6 +365,10 @@ def _preemptive(bundle, conversation_file, turns, max_new_tokens, threads, attem
         for server in servers.values():
             server.close()
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report, plan))
+    if not report.near_ties_only:  # a reply that left the cold one where the target did not nearly tie
+        click.echo("error: a final reply differs from the cold one outside a near tie (see the report); "
+                   "please report it", err=True)
+        return 1
     return 0
 
 
