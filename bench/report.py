@@ -153,7 +153,8 @@ def render_markdown(doc: dict) -> str:
     out.append(f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('usable_cores')} usable), {m['ram_gb']} GB RAM, "
                f"{m.get('os', '')}; python {m.get('python')}, onnxruntime {m['onnxruntime']}, "
                f"numpy {m.get('numpy')}, specedge {m.get('specedge')}; load average (1/5/15 min) at start "
-               f"{m.get('load_average_start')}, at end {m.get('load_average_end')}")
+               f"{m.get('load_average_start')}, at end {m.get('load_average_end')}"
+               + (f"; huge pages: {m['huge_pages']}" if m.get("huge_pages") else ""))
     draft = b.get("draft")
     out.append(f"- bundle: `{b['path']}`: target {b['target']['source']} ({b['target']['precision']}), draft "
                + (f"{draft['source']} ({draft['precision']})" if draft else "none")

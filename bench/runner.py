@@ -40,6 +40,8 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
+from ..engines.hugepages import describe as describe_huge_pages
+from ..engines.hugepages import hugepages
 from ..runtime.costs import time_forward
 from ..runtime.divergence import Divergence, first_divergence
 from ..runtime.divergence import explain as explain_divergence
@@ -187,7 +189,8 @@ def machine_info() -> dict:
         load = None
     return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "ram_gb": ram_gb, "load_average": load,
             "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "specedge": __version__}
+            "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "specedge": __version__,
+            "huge_pages": describe_huge_pages(hugepages())}
 
 
 # ----------------------------------------------------------------------------- step costs

@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from ..engines.hugepages import HUGEPAGE_TUNABLE, describe, hugepages
+
 # CPU features that decide which ORT kernels run: AVX2 is the baseline, AVX-512 widens the
 # fp32 GEMMs, and VNNI (AVX512-VNNI or AVX-VNNI) is what makes int8 activations (MatMulNBits
 # accuracy level 4) fast.
@@ -140,6 +142,7 @@ def collect() -> dict[str, Any]:
         "gpus": nvidia_smi_gpus(),
         "cpu": _cpu(),
         "memory": _memory(),
+        "hugepages": hugepages(),
         "extras": _extras(),
     }
 
@@ -163,6 +166,11 @@ def _hints(facts: dict[str, Any]) -> list[str]:
                          "pip install 'specedge[gpu]' (onnxruntime-gpu; install exactly one of the two)")
     if ort["usable"]["cuda"] and not ort["usable"]["tensorrt"]:
         hints.append("TensorRT EP does not load: install TensorRT 10 from NVIDIA's index (docs/GPU.md, 'TensorRT')")
+    pages = facts.get("hugepages") or {}
+    if pages.get("thp_mode") == "madvise" and pages.get("glibc_can") and not pages.get("malloc_tunable"):
+        hints.append(f"CPU decoding: start specedge with GLIBC_TUNABLES={HUGEPAGE_TUNABLE} so the packed weights sit "
+                     "in 2 MB pages (Qwen2.5-Coder-1.5B int4: a step ~4% faster, 10% more resident memory; "
+                     "docs/PYTHON.md, 'Huge pages')")
     return hints
 
 
@@ -196,6 +204,8 @@ def render(facts: dict[str, Any]) -> str:
     if mem["total_bytes"]:
         lines.append(f"RAM: {mem['total_bytes'] / 2**30:.1f} GiB total, "
                      f"{(mem['available_bytes'] or 0) / 2**30:.1f} GiB available")
+    if (facts.get("hugepages") or {}).get("thp_mode"):
+        lines.append(f"huge pages: {describe(facts['hugepages'])}")
     lines.append("extras: " + (", ".join(f"{name} {_yes(ok)}" for name, ok in facts["extras"].items()) or "unknown"))
     lines += [f"hint: {h}" for h in _hints(facts)]
     return "\n".join(lines)
