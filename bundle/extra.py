@@ -326,7 +326,8 @@ class QuantizedTensor:
     or "gptq" (rounded input channel by channel with error feedback through the inputs' second moment);
     ``elements``: the weight's element count (bits per weight are computed from it); ``shares``: the
     weight whose integers this one reads instead of storing its own ("embed" for a tied output layer,
-    export/rtn.py), or "" when it stores them.
+    export/rtn.py), or "" when it stores them; ``scale_bits``: bits stored per block scale, 32 (float32),
+    16 (float16 widened at load, export/scales.py) or 0 (reads the ``shares`` weight's scales too).
     """
 
     bits: int
@@ -335,22 +336,27 @@ class QuantizedTensor:
     method: str
     elements: int
     shares: str = ""
+    scale_bits: int = 32
 
     METHODS = ("rtn", "search", "imatrix", "gptq")
-    FIELDS = ("bits", "block_size", "symmetric", "method", "elements", "shares")
+    SCALE_BITS = (0, 16, 32)
+    FIELDS = ("bits", "block_size", "symmetric", "method", "elements", "shares", "scale_bits")
 
     def bits_per_weight(self) -> float:
-        """Stored bits per element: integers (none when ``shares``), an fp32 scale per block, a ``bits``-wide
-        zero point if asymmetric."""
-        return (0 if self.shares else self.bits) + (32 + (0 if self.symmetric else self.bits)) / self.block_size
+        """Stored bits per element: integers (none when ``shares``), ``scale_bits`` per block, a ``bits``-wide
+        zero point per block if asymmetric."""
+        zero_point = 0 if self.symmetric else self.bits
+        return (0 if self.shares else self.bits) + (self.scale_bits + zero_point) / self.block_size
 
     def describe(self) -> str:
         shared = f", reads {self.shares}'s integers" if self.shares else ""
         return f"int{self.bits}/{self.block_size} {'sym' if self.symmetric else 'asym'} {self.method}{shared}"
 
     def to_dict(self) -> dict[str, Any]:
-        # "shares" only when set: a manifest without shared weights stays readable by the specedge before it
-        return {k: getattr(self, k) for k in self.FIELDS if k != "shares" or self.shares}
+        # "shares" only when set, "scale_bits" only when not 32: a manifest without them stays readable by
+        # the specedge before them
+        return {k: getattr(self, k) for k in self.FIELDS
+                if (k != "shares" or self.shares) and (k != "scale_bits" or self.scale_bits != 32)}
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "QuantizedTensor":
@@ -369,8 +375,13 @@ class QuantizedTensor:
         elements = read_field(obj, "elements", where, int)
         if elements < 0:
             raise ManifestError(f"manifest field '{where}.elements' must be >= 0, got {elements}")
+        scale_bits = read_field(obj, "scale_bits", where, int, optional=True, default=32)
+        if scale_bits not in cls.SCALE_BITS:
+            raise ManifestError(f"manifest field '{where}.scale_bits' must be one of "
+                                f"{', '.join(map(str, cls.SCALE_BITS))}, got {show(scale_bits)}")
         return cls(bits=bits, block_size=block, symmetric=read_field(obj, "symmetric", where, bool), method=method,
-                   elements=elements, shares=read_field(obj, "shares", where, str, optional=True, default=""))
+                   elements=elements, shares=read_field(obj, "shares", where, str, optional=True, default=""),
+                   scale_bits=scale_bits)
 
 
 @dataclass(frozen=True)

@@ -528,10 +528,11 @@ class _ModelExporter:
 
 
 def _quant_record(mix: str, chosen: dict) -> QuantMix:
-    """The manifest's record of a quantized graph: weight name -> (TensorQuant, elements, shares) as
-    QuantizedTensor (export/rtn.py ``quantize_streaming``'s ``chosen``)."""
-    return QuantMix(mix, {name: QuantizedTensor(form.bits, form.block, form.symmetric, form.method, elements, shares)
-                          for name, (form, elements, shares) in chosen.items()})
+    """The manifest's record of a quantized graph: weight name -> (TensorQuant, elements, shares, scale bits)
+    as QuantizedTensor (export/rtn.py ``quantize_streaming``'s ``chosen``)."""
+    return QuantMix(mix, {name: QuantizedTensor(form.bits, form.block, form.symmetric, form.method, elements, shares,
+                                                scale_bits)
+                          for name, (form, elements, shares, scale_bits) in chosen.items()})
 
 
 def draft_head_tokens(tokenizer, vocab_size: int, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:

@@ -37,6 +37,9 @@ Q6_K) splits by output rows, one MatMulNBits per layout and a Concat, instead of
 to the widest bits and smallest block. A tied output layer reads the embedding's own initializer
 (written in MatMulNBits' [vocab, K/block, bytes] shape, which GatherBlockQuantized gathers along its
 last axis) and offsets; only the scales are written twice (the two ops want different ranks).
+Scales that float16 holds exactly (the file's own ``d`` of Q4_0, Q4_1, Q5_0 and Q8_0 blocks) are stored
+at half width and widened at load (export/scales.py); a K-quant's ``d * sc`` products stay float32
+unless float16 holds every one.
 
 Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) keeps the fp32 weight of the
 validated graph: where no exact form exists, precision goes up, never down.
@@ -404,6 +407,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
     from onnx import helper
 
     from .rtn import DataFile
+    from .scales import write_scales
 
     tensors = GgufTensors(gguf_path)
     candidates = source_names(tensors.arch, n_layers)
@@ -460,6 +464,13 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         new_inits.append(out.tensor(name, helper.np_dtype_to_tensor_dtype(array.dtype), array.shape, array))
         return name
 
+    def scales_of(name: str, scales: np.ndarray) -> str:
+        """The file's scales as a float32 tensor (stored as float16 where that holds them: export/scales.py)."""
+        written = write_scales(out, name, scales)
+        new_inits.extend(written.initializers)
+        new_nodes.extend(written.nodes)
+        return written.name
+
     def blocksum(x: str, block: int, n_blocks: int) -> str:
         """[..., K] -> [..., K/block] sums over each block, computed once per input and block."""
         if (x, block) not in sums:
@@ -477,7 +488,7 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         already written (a tied head reading the embedding's: offsets [N, K/block], so a Gemm with transB)."""
         n_out, n_blocks = form.q.shape[0], form.q.shape[1]
         data = data or const(f"{name}.gguf_q", form.packed())
-        inputs = [x, data, const(f"{name}.gguf_scales", form.scales.astype(np.float32))]
+        inputs = [x, data, scales_of(f"{name}.gguf_scales", form.scales)]
         if form.zero_points is not None:
             inputs.append(const(f"{name}.gguf_zero_points", form.packed_zero_points()))
         main = out if form.offsets is None else f"{name}.gguf_main"
@@ -509,11 +520,11 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         key, ids = node.input[0], node.input[1]
         if shared:
             data = const(f"{key}.gguf_q", form.packed())
-            scales = const(f"{key}.gguf_scales3", form.scales.astype(np.float32)[..., None])
+            scales = scales_of(f"{key}.gguf_scales3", form.scales[..., None])
             rows = f"{key}.gguf_rows3"
         else:
             data = const(f"{key}.gguf_q", form.packed().reshape(n_out, -1))
-            scales = const(f"{key}.gguf_scales", form.scales.astype(np.float32))
+            scales = scales_of(f"{key}.gguf_scales", form.scales)
             rows = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
         new_nodes.append(helper.make_node("GatherBlockQuantized", [data, ids, scales], [rows],
                                           name=f"{key}.gguf_gather", domain="com.microsoft", bits=form.bits,

@@ -63,7 +63,8 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
 
     The int4 copy (asymmetric, searched blocks of ``copy_block`` elements where that is wider than the
     head's block and divides the hidden size, else of the head's block; rounded from the int8 head's
-    dequantized values) and the gather's scales are appended to the head's external data file. Returns
+    dequantized values) is appended to the head's external data file; the gather reads the head's own
+    integers and scales. Returns
     None, the graph untouched, where there is nothing to screen or it would not pay: no 8-bit head,
     ``vocab`` below ``MIN_VOCAB_PER_ROW * rows``, or a head of fewer than ``min_elements`` weights
     (default :data:`MIN_HEAD_ELEMENTS`).
@@ -73,6 +74,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
 
     from .mixquant import Blocks, TensorQuant, quantize
     from .rtn import DataFile, _read
+    from .scales import read_scales, reshaped, write_scales
 
     if rows < 1 or vocab < MIN_VOCAB_PER_ROW * rows:
         return None
@@ -87,7 +89,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     if vocab * hidden < (MIN_HEAD_ELEMENTS if min_elements is None else min_elements):
         return None
     inits = {t.name: t for t in graph.initializer}
-    data, scales = inits[head.input[1]], inits[head.input[2]]
+    data = inits[head.input[1]]
     zero_points = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
     if any(name for name in head.input[4:]) or data.data_location != TensorProto.EXTERNAL:
         return None  # g_idx or a bias: not a head this exporter writes
@@ -98,7 +100,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
         copy_block = block
     form = TensorQuant(4, copy_block, symmetric=False, search=True)
     packed, screen_scales, screen_zero_points = [], [], []
-    all_scales = _read(scales, folder).reshape(vocab, n_blocks)
+    all_scales = read_scales(graph, head.input[2], folder).reshape(vocab, n_blocks)
     symmetric = zero_points is None
     all_zero_points = (np.full((vocab, n_blocks), 1 << 7, np.uint8) if symmetric  # the kernels' 8-bit default
                        else _read(zero_points, folder).reshape(vocab, n_blocks))
@@ -120,13 +122,13 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     try:
         q4 = out.tensor(f"{name}_screen_Q4", TensorProto.UINT8, (vocab, hidden // copy_block, copy_block // 2),
                         np.concatenate(packed))
-        s4 = np.concatenate(screen_scales)
-        s4 = out.tensor(f"{name}_screen_scales", TensorProto.FLOAT, s4.shape, s4)
+        s4 = write_scales(out, f"{name}_screen_scales", np.concatenate(screen_scales))
         z4 = np.concatenate(screen_zero_points)
         z4 = out.tensor(f"{name}_screen_zero_points", TensorProto.UINT8, z4.shape, z4)
-        # GatherBlockQuantized takes its scales (and zero points) shaped like the data's block axis
-        s3 = out.tensor(f"{name}_rescore_scales", TensorProto.FLOAT, (vocab, n_blocks, 1), all_scales)
-        new_inits = [q4, s4, z4, s3]
+        # GatherBlockQuantized takes its scales (and zero points) shaped like the data's block axis: the
+        # head's own scales, reshaped (folded at load)
+        s3 = reshaped(head.input[2], f"{name}_rescore_scales", (vocab, n_blocks, 1), out)
+        new_inits = [q4, *s4.initializers, z4, *s3.initializers]
         gather_inputs = [head.input[1], t("rows"), s3.name]
         if not symmetric:
             z3 = out.tensor(f"{name}_rescore_zero_points", TensorProto.UINT8, (vocab, n_blocks, 1), all_zero_points)
@@ -141,6 +143,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     x, logits = head.input[0], head.output[0]
     level = {"accuracy_level": attrs["accuracy_level"]} if "accuracy_level" in attrs else {}
     nodes = [
+        *s4.nodes, *s3.nodes,
         helper.make_node("MatMulNBits", [x, q4.name, s4.name, z4.name], [t("logits")], name=t("matmul"),
                          domain="com.microsoft", K=hidden, N=vocab, bits=4, block_size=copy_block, **level),
         helper.make_node("TopK", [t("logits"), rows_c], [t("top"), t("rows")], name=t("topk"),

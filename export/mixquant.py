@@ -45,6 +45,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import InvalidParameterError
+from .scales import to_half
 
 # Candidate ranges per block for a searched scale: the min/max range divided by (levels - 1 + d)
 # for d in this grid. d < 0 widens the step (clips nothing, coarser); d > 0 narrows it (clips the
@@ -94,17 +95,13 @@ class TensorQuant:
         """The manifest's name for how blocks were chosen (bundle/extra.py QuantizedTensor.method)."""
         return "gptq" if self.gptq else "imatrix" if self.weighted else "search" if self.search else "rtn"
 
-    def bits_per_weight(self) -> float:
-        """Stored bits per element: the integers, an fp32 scale per block, and a zero point per block
-        (``bits`` wide) when asymmetric."""
-        return self.bits + (32 + (0 if self.symmetric else self.bits)) / self.block
-
 
 @dataclass(frozen=True)
 class Blocks:
     """A weight ``[N, K]`` (N outputs, K the input axis) as ``scales * (q - zero_points)`` per block.
 
-    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``: [N, K/block] float32;
+    ``q``: [N, K/block, block] uint8 in 0..2**bits-1; ``scales``: [N, K/block] float32 (values float16 holds,
+    export/scales.py, where the weights allow);
     ``zero_points``: [N, K/block] uint8 (the symmetric default 2**(bits-1) when symmetric).
     """
 
@@ -297,7 +294,9 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant,
         lo_hi = lo
     best_err = best_q = best_s = best_zp = None
     for step in candidates:
-        step = np.where(step > 0, step, 1.0).astype(np.float32)
+        # every scale is one float16 holds (stored at half width, export/scales.py), so the integers are
+        # chosen against the scale as stored; rounded up, so that a min/max step still spans its range
+        step = to_half(np.where(step > 0, step, 1.0), up=True)
         if lo_hi is not None:
             zp = np.clip(np.rint(-lo_hi / step), 0, top).astype(np.uint8)
         q = np.clip(np.rint(w / step[..., None]) + zp[..., None], 0, top).astype(np.uint8)
@@ -306,7 +305,7 @@ def _quantize_rows(w: np.ndarray, form: TensorQuant,
             # least-squares scale with the integers fixed: argmin_s |w - s*d|^2 = <w,d>/<d,d>
             # (weighted: <w,d>_e / <d,d>_e with the element weights e)
             dd = (ew * d * d).sum(axis=-1)
-            s = np.where(dd > 0, (ew * w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step).astype(np.float32)
+            s = to_half(np.where(dd > 0, (ew * w * d).sum(axis=-1) / np.where(dd > 0, dd, 1), step))
         else:
             s = step
         err = (ew * (w - s[..., None] * d) ** 2).sum(axis=-1)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable
 import numpy as np
 
 from .mixquant import EMBEDDING_TABLE
+from .scales import reshaped, write_scales
 
 if TYPE_CHECKING:
     from .mixquant import Plan, TensorQuant
@@ -125,7 +126,7 @@ def _read(tensor, src_dir: Path, rows: slice | None = None) -> np.ndarray:
 
 def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
                        quantize_embeddings: bool, plan: "Plan | None" = None,
-                       chosen: "dict[str, tuple[TensorQuant, int, str]] | None" = None, tied: bool = False,
+                       chosen: "dict[str, tuple[TensorQuant, int, str, int]] | None" = None, tied: bool = False,
                        importance: "dict[str, np.ndarray] | None" = None,
                        progress: "Callable[[int, int], None] | None" = None) -> list[Path]:
     """Quantize ``src`` (an fp32 graph with external data) into ``dst`` + ``dst.data``; return the files.
@@ -140,8 +141,8 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     plan that gives both the same form writes their integers once (:class:`_TiedTable`). ``importance``:
     weight name -> [K] activation importance (export/importance.py) for the plan's ``weighted`` forms; a
     weighted form without one is searched unweighted (and recorded so). ``chosen`` (if
-    given) receives weight name -> (form, element count, the weight whose integers it reads or "");
-    ``progress(done, total)`` (if given) is told after each weight quantized.
+    given) receives weight name -> (form, element count, the weight whose integers it reads or "", bits stored
+    per scale: 16 or 32, export/scales.py); ``progress(done, total)`` (if given) is told after each weight quantized.
     """
     chosen = {} if chosen is None else chosen
     if plan is not None:
@@ -179,7 +180,8 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
         return form, packed, scales, None if symmetric else zero_points
 
     def ort_gather(node, table, out: DataFile, new_inits: dict):
-        return _quantize_gather(node, table, src.parent, out, new_inits, block_size, symmetric), form
+        nodes, scale_bits = _quantize_gather(node, table, src.parent, out, new_inits, block_size, symmetric)
+        return nodes, form, scale_bits
 
     # int4 tensors (the Gather's) need opset 21 and IR 10, as ORT's quantizer sets them
     return _rewrite(src, dst, matmul=ort_matmul, gather=ort_gather if gather else None,
@@ -193,10 +195,11 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
 
     ``matmul(name, B [K, N] float32)`` -> (form, B packed [N, K/block, block*bits/8] uint8, scales [N, K/block],
     zero points in MatMulNBits' uint8 layout or None): each MatMul over a constant 2-D weight becomes
-    MatMulNBits. ``gather(node, table, out, new_inits)`` -> (GatherBlockQuantized node, form), or None to
-    keep the embedding float. ``tied_form``: the form of a tied output layer and embedding, written once
-    (:class:`_TiedTable`) where the graph allows it. ``chosen`` receives weight name -> (form, element count,
-    the weight whose integers it reads or ""); ``progress(done, total)`` is told after each weight.
+    MatMulNBits. ``gather(node, table, out, new_inits)`` -> (nodes ending in the GatherBlockQuantized, form,
+    bits per stored scale), or None to keep the embedding float. ``tied_form``: the form of a tied output
+    layer and embedding, written once (:class:`_TiedTable`) where the graph allows it. ``chosen`` receives
+    weight name -> (form, element count, the weight whose integers it reads or "", bits per stored scale);
+    ``progress(done, total)`` is told after each weight.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -220,22 +223,23 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
                                                                                new_inits)
         for node in graph.node:
             if tied is not None and is_weighted_matmul(node) and node.input[1] == _HEAD:
-                new_nodes.append(tied.head_node(node, accuracy_level))
-                chosen[_HEAD] = (tied.form, int(np.prod(inits[_HEAD].dims)), EMBEDDING_TABLE)
+                new_nodes.extend(tied.head_nodes(node, accuracy_level))
+                chosen[_HEAD] = (tied.form, int(np.prod(inits[_HEAD].dims)), EMBEDDING_TABLE, 0)  # embed's scales
             elif tied is not None and _is_embedding_lookup(node, inits):
                 new_nodes.extend(tied.gather_nodes(node))
-                chosen[EMBEDDING_TABLE] = (tied.form, int(np.prod(inits[EMBEDDING_TABLE].dims)), "")
+                chosen[EMBEDDING_TABLE] = (tied.form, int(np.prod(inits[EMBEDDING_TABLE].dims)), "", tied.scale_bits)
             elif is_weighted_matmul(node):
                 weight = inits[node.input[1]]
                 b = _read(weight, src_dir)
                 rows, cols = b.shape
                 form, packed, scales, zero_points = matmul(weight.name, b)
                 del b
-                chosen[weight.name] = (form, rows * cols, "")
                 q = out.tensor(f"{weight.name}_Q{form.bits}", TensorProto.UINT8, packed.shape, packed)
-                s = out.tensor(f"{weight.name}_scales", TensorProto.FLOAT, scales.shape, scales)
+                s = write_scales(out, f"{weight.name}_scales", scales)
                 inputs = [node.input[0], q.name, s.name]
-                new_inits.update({q.name: q, s.name: s})
+                new_inits.update({t.name: t for t in (q, *s.initializers)})
+                new_nodes.extend(s.nodes)
+                chosen[weight.name] = (form, rows * cols, "", s.bits)
                 if zero_points is not None:
                     zp = out.tensor(f"{weight.name}_zero_points", TensorProto.UINT8, zero_points.shape, zero_points)
                     inputs.append(zp.name)
@@ -248,9 +252,9 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
                                                   domain="com.microsoft", **attrs))
             elif gather is not None and _is_embedding_lookup(node, inits):
                 table = inits[node.input[0]]
-                node, form = gather(node, table, out, new_inits)
-                chosen[table.name] = (form, int(np.prod(table.dims)), "")
-                new_nodes.append(node)
+                nodes, form, scale_bits = gather(node, table, out, new_inits)
+                chosen[table.name] = (form, int(np.prod(table.dims)), "", scale_bits)
+                new_nodes.extend(nodes)
             else:
                 new_nodes.append(node)
                 continue
@@ -281,15 +285,18 @@ def _rewrite(src: Path, dst: Path, *, matmul, gather, accuracy_level: int, chose
 
 @dataclass(frozen=True)
 class _TiedNames:
-    """The initializers of a :class:`_TiedTable`: the integers [vocab, K/block, block*bits/8], the scales in
-    MatMulNBits' [vocab, K/block] and GatherBlockQuantized's [vocab, K/block, 1] shapes, and (8-bit
-    asymmetric only) the zero points in the same two shapes."""
+    """The initializers of a :class:`_TiedTable`: the integers [vocab, K/block, block*bits/8]; the scales
+    and (8-bit asymmetric only) zero points in MatMulNBits' [vocab, K/block] and GatherBlockQuantized's
+    [vocab, K/block, 1] shapes; and the nodes that make the scales (export/scales.py), which go in before the
+    first consumer."""
 
     data: str
     head_scales: str
     gather_scales: str
     head_zero_points: str | None = None
     gather_zero_points: str | None = None
+    scale_nodes: tuple = ()
+    scale_bits: int = 32
 
 
 class _TiedTable:
@@ -297,9 +304,10 @@ class _TiedTable:
 
     The integers are one [vocab, K/block, block*bits/8] uint8 initializer: MatMulNBits reads it as the head's
     B, and GatherBlockQuantized gathers it along its last axis (``quantize_axis=2``), followed by a Reshape
-    of [*ids, K/block, block] rows to [*ids, K]. Only the scales (and 8-bit zero points) are written twice:
-    MatMulNBits wants them [vocab, K/block] and GatherBlockQuantized [vocab, K/block, 1], and ONNX Runtime
-    refuses either in the other's shape. The same layout as a GGUF's tied head (export/gguf_import.py).
+    of [*ids, K/block, block] rows to [*ids, K]. MatMulNBits wants the scales [vocab, K/block] and
+    GatherBlockQuantized [vocab, K/block, 1], and ONNX Runtime refuses either in the other's shape: the scales
+    are stored once and reshaped (folded at load, export/scales.py); the 8-bit zero points are written twice.
+    The same layout as a GGUF's tied head (export/gguf_import.py).
     """
 
     def __init__(self, table, form: "TensorQuant", id_rank: int, src_dir: Path, out: DataFile, new_inits: dict):
@@ -356,46 +364,65 @@ class _TiedTable:
                            dims=[vocab, width // form.block, form.block * form.bits // 8])
         _point(data, out.path.name, start, out.offset - start)
         s = np.concatenate(scales)
-        inits = [data, out.tensor(f"{_HEAD}_scales", TensorProto.FLOAT, s.shape, s),
-                 out.tensor(f"{EMBEDDING_TABLE}_scales", TensorProto.FLOAT, (*s.shape, 1), s)]
+        head_scales = write_scales(out, f"{_HEAD}_scales", s)
+        gather_scales = reshaped(head_scales.name, f"{EMBEDDING_TABLE}_scales", (*s.shape, 1), out)
+        inits = [data, *head_scales.initializers, *gather_scales.initializers]
+        zero_point_names: tuple[str, ...] = ()
         if not form.symmetric:  # 8-bit here (``of`` refuses 4-bit zero points): one byte a block in either layout
             z = np.concatenate(zero_points)
-            inits += [out.tensor(f"{_HEAD}_zero_points", TensorProto.UINT8, z.shape, z),
-                      out.tensor(f"{EMBEDDING_TABLE}_zero_points", TensorProto.UINT8, (*z.shape, 1), z)]
+            zps = [out.tensor(f"{_HEAD}_zero_points", TensorProto.UINT8, z.shape, z),
+                   out.tensor(f"{EMBEDDING_TABLE}_zero_points", TensorProto.UINT8, (*z.shape, 1), z)]
+            inits += zps
+            zero_point_names = tuple(t.name for t in zps)
         self.new_inits.update({t.name: t for t in inits})
-        self.names = _TiedNames(*(t.name for t in inits))
+        self.names = _TiedNames(data.name, head_scales.name, gather_scales.name, *zero_point_names,
+                                scale_nodes=head_scales.nodes + gather_scales.nodes, scale_bits=head_scales.bits)
         return self.names
 
-    def head_node(self, node, accuracy_level: int):
-        """The output layer's MatMulNBits over the shared integers."""
+    @property
+    def scale_bits(self) -> int:
+        """Bits stored per scale (after the first of :meth:`head_nodes` / :meth:`gather_nodes`)."""
+        return self._written().scale_bits
+
+    def _scale_nodes(self) -> list:
+        """The nodes that make the scales, the first time they are asked for (they precede both consumers)."""
+        first = self.names is None
+        return list(self._written().scale_nodes) if first else []
+
+    def head_nodes(self, node, accuracy_level: int) -> list:
+        """The output layer's MatMulNBits over the shared integers (after the scales' nodes, on first use)."""
         from onnx import helper
 
+        scale_nodes = self._scale_nodes()
         names = self._written()
         vocab, width = self.table.dims
         attrs = dict(K=width, N=vocab, bits=self.form.bits, block_size=self.form.block)
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
         zero_points = [names.head_zero_points] if names.head_zero_points else []
-        return helper.make_node("MatMulNBits", [node.input[0], names.data, names.head_scales] + zero_points,
-                                [node.output[0]], name=f"{node.name}_Q{self.form.bits}" if node.name else "",
-                                domain="com.microsoft", **attrs)
+        return scale_nodes + [helper.make_node(
+            "MatMulNBits", [node.input[0], names.data, names.head_scales] + zero_points, [node.output[0]],
+            name=f"{node.name}_Q{self.form.bits}" if node.name else "", domain="com.microsoft", **attrs)]
 
     def gather_nodes(self, node) -> list:
-        """The embedding lookup over the shared integers: GatherBlockQuantized, then a Reshape to [*ids, K]."""
+        """The embedding lookup over the shared integers: GatherBlockQuantized, then a Reshape to [*ids, K]
+        (after the scales' nodes, on first use)."""
         from onnx import TensorProto, helper
 
+        scale_nodes = self._scale_nodes()
         names = self._written()
         blocks = f"{node.output[0]}_blocks"
         shape = self.out.tensor(f"{EMBEDDING_TABLE}_row_shape", TensorProto.INT64, (self.id_rank + 1,),
                                 np.array([0] * self.id_rank + [-1], np.int64))
         self.new_inits[shape.name] = shape
         zero_points = [names.gather_zero_points] if names.gather_zero_points else []
-        return [helper.make_node("GatherBlockQuantized", [names.data, node.input[1], names.gather_scales]
-                                 + zero_points, [blocks],
-                                 name=f"{node.name}_Q{self.form.bits}" if node.name else "", domain="com.microsoft",
-                                 gather_axis=0, quantize_axis=2, block_size=self.form.block, bits=self.form.bits),
-                helper.make_node("Reshape", [blocks, shape.name], [node.output[0]],
-                                 name=f"{node.name}_rows" if node.name else "")]
+        return scale_nodes + [
+            helper.make_node("GatherBlockQuantized", [names.data, node.input[1], names.gather_scales]
+                             + zero_points, [blocks],
+                             name=f"{node.name}_Q{self.form.bits}" if node.name else "", domain="com.microsoft",
+                             gather_axis=0, quantize_axis=2, block_size=self.form.block, bits=self.form.bits),
+            helper.make_node("Reshape", [blocks, shape.name], [node.output[0]],
+                             name=f"{node.name}_rows" if node.name else "")]
 
 
 def _is_embedding_lookup(node, inits: dict) -> bool:
@@ -411,7 +438,8 @@ def _legacy_form(bits: int, block_size: int, symmetric: bool) -> "TensorQuant":
 
 
 def _quantize_gather(node, table, src_dir: Path, out: DataFile, new_inits: dict, block_size: int, symmetric: bool):
-    """GatherBlockQuantized over ``table`` quantized along its last axis, in row chunks (rows are independent)."""
+    """GatherBlockQuantized over ``table`` quantized along its last axis, in row chunks (rows are independent);
+    returns the nodes and the bits per stored scale."""
     from onnx import TensorProto, helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
@@ -434,23 +462,23 @@ def _quantize_gather(node, table, src_dir: Path, out: DataFile, new_inits: dict,
     q = TensorProto(name=qname, data_type=TensorProto.INT4 if symmetric else TensorProto.UINT4, dims=list(dims))
     _point(q, out.path.name, q_start, out.offset - q_start)
     all_scales = np.concatenate(scales)
-    s = out.tensor(sname, TensorProto.FLOAT, all_scales.shape, all_scales)
+    s = write_scales(out, sname, all_scales)  # ONNX Runtime's rounding: float32 unless float16 holds it
     inputs = [qname, node.input[1], sname]
-    new_inits.update({qname: q, sname: s})
+    new_inits.update({t.name: t for t in (q, *s.initializers)})
     if not symmetric:
         zp_bytes = b"".join(z.tobytes() for z in zero_points)
         zp = out.tensor(f"{table.name}_zero_points", TensorProto.UINT4, all_scales.shape, zp_bytes)
         inputs.append(zp.name)
         new_inits[zp.name] = zp
     axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-    return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
-                            name=f"{node.name}_Q4" if node.name else "", domain="com.microsoft",
-                            gather_axis=axis, quantize_axis=1, block_size=block_size)
+    return [*s.nodes, helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
+                                       name=f"{node.name}_Q4" if node.name else "", domain="com.microsoft",
+                                       gather_axis=axis, quantize_axis=1, block_size=block_size)], s.bits
 
 
 def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: DataFile, new_inits: dict):
     """GatherBlockQuantized over ``table`` [vocab, hidden] in ``form`` (uint8 data, ``bits`` 4 or 8), in row
-    chunks; returns the node and the form written."""
+    chunks; returns the nodes (the scales' Cast, the lookup), the form written and the bits per stored scale."""
     from onnx import TensorProto, helper
 
     from .mixquant import quantize
@@ -477,15 +505,16 @@ def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: DataFi
     q = TensorProto(name=qname, data_type=TensorProto.UINT8, dims=[dims[0], width])
     _point(q, out.path.name, q_start, out.offset - q_start)
     all_scales = np.concatenate(scales)
-    s = out.tensor(sname, TensorProto.FLOAT, all_scales.shape, all_scales)
+    s = write_scales(out, sname, all_scales)
     inputs = [qname, node.input[1], sname]
-    new_inits.update({qname: q, sname: s})
+    new_inits.update({t.name: t for t in (q, *s.initializers)})
     if not form.symmetric:
         zps = np.concatenate(zero_points)
         zp = out.tensor(f"{table.name}_zero_points", TensorProto.UINT8, zps.shape, zps)
         inputs.append(zp.name)
         new_inits[zp.name] = zp
     axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-    return helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
-                            name=f"{node.name}_Q{form.bits}" if node.name else "", domain="com.microsoft",
-                            gather_axis=axis, quantize_axis=1, block_size=form.block, bits=form.bits), form
+    gather = helper.make_node("GatherBlockQuantized", inputs, [node.output[0]],
+                              name=f"{node.name}_Q{form.bits}" if node.name else "", domain="com.microsoft",
+                              gather_axis=axis, quantize_axis=1, block_size=form.block, bits=form.bits)
+    return [*s.nodes, gather], form, s.bits

@@ -144,7 +144,8 @@ def test_onnxruntime_reads_the_blocks_as_numpy_does(tmp_path, form, k):
                        quantize_embeddings=True, plan=lambda name: form, chosen=chosen)
     # A lookup returns whole rows, so a block that does not divide the table's width falls back to 32.
     table_form = replace(form, block=32) if k % form.block else form
-    assert chosen == {"layers.0.down": (form, w.size, ""), "embed": (table_form, table.size, "")}
+    # every scale stored as float16 (export/scales.py: the quantizer picks scales float16 holds)
+    assert chosen == {"layers.0.down": (form, w.size, "", 16), "embed": (table_form, table.size, "", 16)}
     x = np.random.default_rng(5).standard_normal((1, 3, w.shape[0])).astype(np.float32)
     ids = np.array([[0, 7, table.shape[0] - 1]], np.int64)
     y, e = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
@@ -206,7 +207,7 @@ def test_a_tied_head_reads_the_embeddings_integers(tmp_path, form, ids_rank):
     chosen: dict = {}
     quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
                        quantize_embeddings=True, plan=lambda name: form, chosen=chosen, tied=True)
-    assert chosen == {"embed": (form, table.size, ""), "lm_head": (form, table.size, "embed")}
+    assert chosen == {"embed": (form, table.size, "", 16), "lm_head": (form, table.size, "embed", 0)}
     model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
     integers = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8 and len(t.dims) == 3
                 and not t.name.endswith("zero_points")]
@@ -220,9 +221,12 @@ def test_a_tied_head_reads_the_embeddings_integers(tmp_path, form, ids_rank):
     deq = quantize(table, form).dequantize()
     assert np.array_equal(e, deq[ids])
     np.testing.assert_allclose(logits, e @ deq.T, rtol=1e-5, atol=1e-4)
-    # the manifest's stored bits count the head's scales (and zero points), not its integers
-    record = QuantizedTensor(form.bits, form.block, form.symmetric, "rtn", table.size, "embed")
-    assert record.bits_per_weight() == pytest.approx((32 + (0 if form.symmetric else 8)) / form.block)
+    # one float16 scale tensor, read by both (the lookup's through a Reshape folded at load)
+    halves = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+    assert halves == ["lm_head_scales_f16"]
+    # the manifest's stored bits count the head's own (8-bit) zero points only: integers and scales are embed's
+    record = QuantizedTensor(form.bits, form.block, form.symmetric, "rtn", table.size, "embed", 0)
+    assert record.bits_per_weight() == pytest.approx((0 if form.symmetric else 8) / form.block)
     assert "reads embed's integers" in record.describe()
 
 
@@ -241,7 +245,7 @@ def test_a_head_that_cannot_share_keeps_its_own_integers(tmp_path, case):
     chosen: dict = {}
     quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
                        quantize_embeddings=True, plan=plan, chosen=chosen, tied=case != "not asked")
-    assert all(shares == "" for _, _, shares in chosen.values())
+    assert all(shares == "" and scale_bits == 16 for _, _, shares, scale_bits in chosen.values())
     model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
     integers = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8
                 and not t.name.endswith("zero_points")}
@@ -262,6 +266,16 @@ def test_quantization_records_round_trip():
     assert ManifestExtra.from_dict(ManifestExtra(quantization={"target": shared}).to_dict()).quantization == \
         {"target": shared}
     assert shared.bits_per_weight() == pytest.approx((5.125 * 4096 + 1 * 1024) / 5120)
+    # float16 scales: 4 + (16 + 4)/32; "scale_bits" written only when not 32 (older manifests read as 32)
+    half = QuantMix("asym4-head8", {"layers.0.qkv": QuantizedTensor(4, 32, False, "search", 4096, scale_bits=16)})
+    assert half.bits_per_weight() == pytest.approx(4 + 20 / 32)
+    assert ManifestExtra.from_dict(ManifestExtra(quantization={"target": half}).to_dict()).quantization == \
+        {"target": half}
+    assert "scale_bits" not in extra.to_dict()["quantization"]["target"]["tensors"]["layers.0.qkv"]
+    bad = extra.to_dict()
+    bad["quantization"]["target"]["tensors"]["lm_head"]["scale_bits"] = 8
+    with pytest.raises(ManifestError, match=r"lm_head\.scale_bits' must be one of 0, 16, 32, got 8"):
+        ManifestExtra.from_dict(bad)
     bad = extra.to_dict()
     bad["quantization"]["target"]["tensors"]["lm_head"]["bits"] = 3
     with pytest.raises(ManifestError, match=r"quantization\.target\.tensors\.lm_head\.bits"):
@@ -318,7 +332,8 @@ def test_a_tied_model_stores_its_head_once(tiny_model, export, load_generator):
     for role in ("target", "draft"):
         tensors = manifest.extra.quantization[role].tensors
         assert tensors["lm_head"].shares == "embed" and tensors["embed"].shares == ""
-        assert tensors["lm_head"].bits_per_weight() == pytest.approx(32 / tensors["lm_head"].block_size)
+        assert tensors["lm_head"].bits_per_weight() == 0  # integers and scales both read from embed's
+        assert tensors["embed"].scale_bits == 16
     assert "reads embed's integers" in manifest.extra.quantization["target"].summary()
     assert_model_drafts_equal_plain(load_generator(bundle))
 

@@ -172,10 +172,11 @@ def test_an_int4_export_of_a_gguf_keeps_its_blocks_and_records_each_weight(gguf_
 
     # The initializers are the file's blocks: Q4_0 nibbles and fp16 scales as written.
     model = onnx.load(str(bundles["int4"] / manifest.target.graph))
-    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = _initializers(model)
     tensors = GgufTensors(source)
     gate, up = (tensors.form(f"blk.1.ffn_{n}.weight") for n in ("gate", "up"))
     assert np.array_equal(inits["layers.1.gate_up.gguf_q"], np.concatenate([gate.packed(), up.packed()]))
+    assert inits["layers.1.gate_up.gguf_scales_f16"].dtype == np.float16  # stored as the file's own halves
     assert np.array_equal(inits["layers.1.gate_up.gguf_scales"], np.concatenate([gate.scales, up.scales]))
     head = tensors.form("output.weight")
     assert np.array_equal(inits["lm_head.gguf_q"], head.packed())
@@ -222,6 +223,18 @@ def test_int8_of_a_gguf_would_requantize_and_must_be_asked_for(gguf_export, tmp_
                                    max_context=CONTEXT))
 
 
+def _initializers(model) -> dict[str, np.ndarray]:
+    """A loaded graph's initializers by name, and the float32 scales its Casts widen from float16 ones
+    (export/scales.py) under their Cast outputs' names."""
+    import onnx
+
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Cast" and node.input[0] in inits:
+            inits[node.output[0]] = inits[node.input[0]].astype(np.float32)
+    return inits
+
+
 def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     """[rows, ..., bytes] uint8 -> [rows, count] values (4 bits: low nibble first)."""
     flat = packed.reshape(packed.shape[0], -1)
@@ -253,10 +266,9 @@ def _assert_no_requantization(model, kept: dict, source) -> None:
     dequantizes them (fused along the output axis): bit for bit without offsets, to fp32 rounding of the
     offset with them. Nothing was rounded again."""
     import gguf
-    import onnx
 
     reader = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
-    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = _initializers(model)
     nodes = {n.name: n for n in model.graph.node}
     checked = 0
     for key, record in kept.items():
