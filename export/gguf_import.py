@@ -37,9 +37,9 @@ Q6_K) splits by output rows, one MatMulNBits per layout and a Concat, instead of
 to the widest bits and smallest block. A tied output layer reads the embedding's own initializer
 (written in MatMulNBits' [vocab, K/block, bytes] shape, which GatherBlockQuantized gathers along its
 last axis) and offsets; only the scales are written twice (the two ops want different ranks).
-Scales that float16 holds exactly (the file's own ``d`` of Q4_0, Q4_1, Q5_0 and Q8_0 blocks) are stored
-at half width and widened at load (export/scales.py); a K-quant's ``d * sc`` products stay float32
-unless float16 holds every one.
+A MatMulNBits' scales that float16 holds exactly (the file's own ``d`` of Q4_0, Q4_1, Q5_0 and Q8_0
+blocks) are stored at half width and widened at load (export/scales.py); a K-quant's ``d * sc`` products
+stay float32 unless float16 holds every one, and so do a lookup's.
 
 Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) keeps the fp32 weight of the
 validated graph: where no exact form exists, precision goes up, never down.
@@ -464,9 +464,10 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         new_inits.append(out.tensor(name, helper.np_dtype_to_tensor_dtype(array.dtype), array.shape, array))
         return name
 
-    def scales_of(name: str, scales: np.ndarray) -> str:
-        """The file's scales as a float32 tensor (stored as float16 where that holds them: export/scales.py)."""
-        written = write_scales(out, name, scales)
+    def scales_of(name: str, scales: np.ndarray, half: bool = True) -> str:
+        """The file's scales as a float32 tensor (stored as float16 where that holds them and ``half``: a
+        MatMulNBits'; a lookup's stay float32, export/scales.py)."""
+        written = write_scales(out, name, scales, half=half)
         new_inits.extend(written.initializers)
         new_nodes.extend(written.nodes)
         return written.name
@@ -520,11 +521,11 @@ def import_gguf(src: Path, dst: Path, gguf_path: Path, weights: dict[str, np.nda
         key, ids = node.input[0], node.input[1]
         if shared:
             data = const(f"{key}.gguf_q", form.packed())
-            scales = scales_of(f"{key}.gguf_scales3", form.scales[..., None])
+            scales = scales_of(f"{key}.gguf_scales3", form.scales[..., None], half=False)
             rows = f"{key}.gguf_rows3"
         else:
             data = const(f"{key}.gguf_q", form.packed().reshape(n_out, -1))
-            scales = scales_of(f"{key}.gguf_scales", form.scales)
+            scales = scales_of(f"{key}.gguf_scales", form.scales, half=False)
             rows = node.output[0] if form.offsets is None else f"{key}.gguf_rows"
         new_nodes.append(helper.make_node("GatherBlockQuantized", [data, ids, scales], [rows],
                                           name=f"{key}.gguf_gather", domain="com.microsoft", bits=form.bits,

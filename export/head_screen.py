@@ -63,8 +63,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
 
     The int4 copy (asymmetric, searched blocks of ``copy_block`` elements where that is wider than the
     head's block and divides the hidden size, else of the head's block; rounded from the int8 head's
-    dequantized values) is appended to the head's external data file; the gather reads the head's own
-    integers and scales. Returns
+    dequantized values) and the gather's scales are appended to the head's external data file. Returns
     None, the graph untouched, where there is nothing to screen or it would not pay: no 8-bit head,
     ``vocab`` below ``MIN_VOCAB_PER_ROW * rows``, or a head of fewer than ``min_elements`` weights
     (default :data:`MIN_HEAD_ELEMENTS`).
@@ -74,7 +73,7 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
 
     from .mixquant import Blocks, TensorQuant, quantize
     from .rtn import DataFile, _read
-    from .scales import read_scales, reshaped, write_scales
+    from .scales import read_scales, write_scales
 
     if rows < 1 or vocab < MIN_VOCAB_PER_ROW * rows:
         return None
@@ -125,9 +124,9 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
         s4 = write_scales(out, f"{name}_screen_scales", np.concatenate(screen_scales))
         z4 = np.concatenate(screen_zero_points)
         z4 = out.tensor(f"{name}_screen_zero_points", TensorProto.UINT8, z4.shape, z4)
-        # GatherBlockQuantized takes its scales (and zero points) shaped like the data's block axis: the
-        # head's own scales, reshaped (folded at load)
-        s3 = reshaped(head.input[2], f"{name}_rescore_scales", (vocab, n_blocks, 1), out)
+        # GatherBlockQuantized takes its scales (and zero points) shaped like the data's block axis; a copy in
+        # float32, which the lookup reads from the file page by page (export/scales.py)
+        s3 = write_scales(out, f"{name}_rescore_scales", all_scales, (vocab, n_blocks, 1), half=False)
         new_inits = [q4, *s4.initializers, z4, *s3.initializers]
         gather_inputs = [head.input[1], t("rows"), s3.name]
         if not symmetric:

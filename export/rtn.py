@@ -306,7 +306,8 @@ class _TiedTable:
     B, and GatherBlockQuantized gathers it along its last axis (``quantize_axis=2``), followed by a Reshape
     of [*ids, K/block, block] rows to [*ids, K]. MatMulNBits wants the scales [vocab, K/block] and
     GatherBlockQuantized [vocab, K/block, 1], and ONNX Runtime refuses either in the other's shape: the scales
-    are stored once and reshaped (folded at load, export/scales.py); the 8-bit zero points are written twice.
+    are stored once, float32 in the lookup's shape, and reshaped for the head (folded at load,
+    export/scales.py); the 8-bit zero points are written twice.
     The same layout as a GGUF's tied head (export/gguf_import.py).
     """
 
@@ -364,9 +365,12 @@ class _TiedTable:
                            dims=[vocab, width // form.block, form.block * form.bits // 8])
         _point(data, out.path.name, start, out.offset - start)
         s = np.concatenate(scales)
-        head_scales = write_scales(out, f"{_HEAD}_scales", s)
-        gather_scales = reshaped(head_scales.name, f"{EMBEDDING_TABLE}_scales", (*s.shape, 1), out)
-        inits = [data, *head_scales.initializers, *gather_scales.initializers]
+        # one float32 copy, in the lookup's shape: the lookup reads it from the file page by page (only the rows
+        # it gathers), and the head's Reshape of it is folded at load into what the head packs anyway
+        # (export/scales.py says why a lookup's scales are not stored as float16)
+        gather_scales = write_scales(out, f"{EMBEDDING_TABLE}_scales", s, (*s.shape, 1), half=False)
+        head_scales = reshaped(gather_scales.name, f"{_HEAD}_scales", s.shape, out)
+        inits = [data, *gather_scales.initializers, *head_scales.initializers]
         zero_point_names: tuple[str, ...] = ()
         if not form.symmetric:  # 8-bit here (``of`` refuses 4-bit zero points): one byte a block in either layout
             z = np.concatenate(zero_points)
@@ -376,7 +380,7 @@ class _TiedTable:
             zero_point_names = tuple(t.name for t in zps)
         self.new_inits.update({t.name: t for t in inits})
         self.names = _TiedNames(data.name, head_scales.name, gather_scales.name, *zero_point_names,
-                                scale_nodes=head_scales.nodes + gather_scales.nodes, scale_bits=head_scales.bits)
+                                scale_nodes=head_scales.nodes, scale_bits=gather_scales.bits)
         return self.names
 
     @property
@@ -462,7 +466,7 @@ def _quantize_gather(node, table, src_dir: Path, out: DataFile, new_inits: dict,
     q = TensorProto(name=qname, data_type=TensorProto.INT4 if symmetric else TensorProto.UINT4, dims=list(dims))
     _point(q, out.path.name, q_start, out.offset - q_start)
     all_scales = np.concatenate(scales)
-    s = write_scales(out, sname, all_scales)  # ONNX Runtime's rounding: float32 unless float16 holds it
+    s = write_scales(out, sname, all_scales, half=False)  # a lookup's: float32 (export/scales.py)
     inputs = [qname, node.input[1], sname]
     new_inits.update({t.name: t for t in (q, *s.initializers)})
     if not symmetric:
@@ -505,7 +509,7 @@ def _planned_gather(node, table, form: "TensorQuant", src_dir: Path, out: DataFi
     q = TensorProto(name=qname, data_type=TensorProto.UINT8, dims=[dims[0], width])
     _point(q, out.path.name, q_start, out.offset - q_start)
     all_scales = np.concatenate(scales)
-    s = write_scales(out, sname, all_scales)
+    s = write_scales(out, sname, all_scales, half=False)  # a lookup's: float32 (export/scales.py)
     inputs = [qname, node.input[1], sname]
     new_inits.update({t.name: t for t in (q, *s.initializers)})
     if not form.symmetric:

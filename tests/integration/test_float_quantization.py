@@ -144,8 +144,8 @@ def test_onnxruntime_reads_the_blocks_as_numpy_does(tmp_path, form, k):
                        quantize_embeddings=True, plan=lambda name: form, chosen=chosen)
     # A lookup returns whole rows, so a block that does not divide the table's width falls back to 32.
     table_form = replace(form, block=32) if k % form.block else form
-    # every scale stored as float16 (export/scales.py: the quantizer picks scales float16 holds)
-    assert chosen == {"layers.0.down": (form, w.size, "", 16), "embed": (table_form, table.size, "", 16)}
+    # a MatMulNBits' scales stored as float16 (the quantizer picks scales float16 holds), a lookup's float32
+    assert chosen == {"layers.0.down": (form, w.size, "", 16), "embed": (table_form, table.size, "", 32)}
     x = np.random.default_rng(5).standard_normal((1, 3, w.shape[0])).astype(np.float32)
     ids = np.array([[0, 7, table.shape[0] - 1]], np.int64)
     y, e = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
@@ -207,7 +207,7 @@ def test_a_tied_head_reads_the_embeddings_integers(tmp_path, form, ids_rank):
     chosen: dict = {}
     quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
                        quantize_embeddings=True, plan=lambda name: form, chosen=chosen, tied=True)
-    assert chosen == {"embed": (form, table.size, "", 16), "lm_head": (form, table.size, "embed", 0)}
+    assert chosen == {"embed": (form, table.size, "", 32), "lm_head": (form, table.size, "embed", 0)}
     model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
     integers = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8 and len(t.dims) == 3
                 and not t.name.endswith("zero_points")]
@@ -221,9 +221,9 @@ def test_a_tied_head_reads_the_embeddings_integers(tmp_path, form, ids_rank):
     deq = quantize(table, form).dequantize()
     assert np.array_equal(e, deq[ids])
     np.testing.assert_allclose(logits, e @ deq.T, rtol=1e-5, atol=1e-4)
-    # one float16 scale tensor, read by both (the lookup's through a Reshape folded at load)
-    halves = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
-    assert halves == ["lm_head_scales_f16"]
+    # one scale tensor, the lookup's (float32), which the head reads through a Reshape folded at load
+    floats = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert floats == ["embed_scales"]
     # the manifest's stored bits count the head's own (8-bit) zero points only: integers and scales are embed's
     record = QuantizedTensor(form.bits, form.block, form.symmetric, "rtn", table.size, "embed", 0)
     assert record.bits_per_weight() == pytest.approx((0 if form.symmetric else 8) / form.block)
@@ -245,7 +245,8 @@ def test_a_head_that_cannot_share_keeps_its_own_integers(tmp_path, case):
     chosen: dict = {}
     quantize_streaming(src, tmp_path / "q.onnx", bits=4, block_size=32, symmetric=True, accuracy_level=0,
                        quantize_embeddings=True, plan=plan, chosen=chosen, tied=case != "not asked")
-    assert all(shares == "" and scale_bits == 16 for _, _, shares, scale_bits in chosen.values())
+    assert all(shares == "" for _, _, shares, _ in chosen.values())
+    assert (chosen["lm_head"][3], chosen["embed"][3]) == (16, 32)
     model = onnx.load(str(tmp_path / "q.onnx"), load_external_data=False)
     integers = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8
                 and not t.name.endswith("zero_points")}
@@ -333,7 +334,7 @@ def test_a_tied_model_stores_its_head_once(tiny_model, export, load_generator):
         tensors = manifest.extra.quantization[role].tensors
         assert tensors["lm_head"].shares == "embed" and tensors["embed"].shares == ""
         assert tensors["lm_head"].bits_per_weight() == 0  # integers and scales both read from embed's
-        assert tensors["embed"].scale_bits == 16
+        assert tensors["embed"].scale_bits == 32  # a lookup's scales stay float32 (export/scales.py)
     assert "reads embed's integers" in manifest.extra.quantization["target"].summary()
     assert_model_drafts_equal_plain(load_generator(bundle))
 

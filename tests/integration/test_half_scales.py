@@ -21,9 +21,13 @@ def _weight(seed: int, shape: tuple[int, int]) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * 0.05).astype(np.float32)
 
 
-def _head_graph(folder: Path, blocks, k: int, half: bool):
-    """A MatMulNBits head and a GatherBlockQuantized lookup over the same integers [N, K/block, bytes], the
-    scales stored once (as float16 behind a Cast when ``half``, else float32) and reshaped for the lookup."""
+LAYOUTS = ("float32", "half head", "tied")
+
+
+def _head_graph(folder: Path, blocks, k: int, layout: str):
+    """A MatMulNBits head and a GatherBlockQuantized lookup over the same integers [N, K/block, bytes].
+    ``layout``: each with its own float32 scales (as before float16 scales); the head's as float16 behind a
+    Cast; or the lookup's float32 scales alone, the head reading them through a Reshape (the tied layout)."""
     from onnx import TensorProto, helper
 
     from specedge.export.rtn import DataFile
@@ -33,28 +37,32 @@ def _head_graph(folder: Path, blocks, k: int, half: bool):
     out = DataFile(folder / "g.onnx.data")
     try:
         data = out.tensor("q", TensorProto.UINT8, blocks.packed().shape, blocks.packed())
-        scales = write_scales(out, "head_scales", blocks.scales, half=half)
-        lookup = reshaped(scales.name, "lookup_scales", (n, k // block, 1), out)
+        lookup = write_scales(out, "lookup_scales", blocks.scales, (n, k // block, 1), half=False)
+        if layout == "tied":
+            head = reshaped(lookup.name, "head_scales", blocks.scales.shape, out)
+        else:
+            head = write_scales(out, "head_scales", blocks.scales, half=layout == "half head")
         bits = blocks.bits
-        nodes = [*scales.nodes, *lookup.nodes,
-                 helper.make_node("MatMulNBits", ["x", "q", scales.name], ["y"], domain="com.microsoft", K=k, N=n,
+        nodes = [*head.nodes, *lookup.nodes,
+                 helper.make_node("MatMulNBits", ["x", "q", head.name], ["y"], domain="com.microsoft", K=k, N=n,
                                   bits=bits, block_size=block, accuracy_level=4),
                  helper.make_node("GatherBlockQuantized", ["q", "ids", lookup.name], ["rows"],
                                   domain="com.microsoft", gather_axis=0, quantize_axis=2, block_size=block, bits=bits)]
-        inits = [data, *scales.initializers, *lookup.initializers]
+        inits = [data, *head.initializers, *lookup.initializers]
     finally:
         out.close()
     graph = helper.make_graph(nodes, "half", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k]),
                                               helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
                                helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)], inits)
-    return graph, scales
+    return graph, head
 
 
 @pytest.mark.parametrize("form", [TensorQuant(8, 32, True), TensorQuant(4, 32, True, search=True)], ids=str)
-def test_half_scales_compute_what_float32_ones_do(tmp_path, form):
-    """The same integers and scale values, stored float32 or float16 + Cast: ONNX Runtime folds the Cast at
-    load, so a step's logits (1, 2 and 5 rows) and a lookup's rows are bit-identical."""
+def test_half_and_shared_scales_compute_what_float32_ones_do(tmp_path, form):
+    """The same integers and scale values, as float32 initializers, as float16 + Cast, or shared through a
+    Reshape: ONNX Runtime folds the Cast and the Reshape at load, so a step's logits (1, 2 and 5 rows) and
+    a lookup's rows are bit-identical."""
     import onnx
     from onnx import helper
     ort = pytest.importorskip("onnxruntime")
@@ -64,11 +72,11 @@ def test_half_scales_compute_what_float32_ones_do(tmp_path, form):
     x = np.random.default_rng(2).standard_normal((5, k)).astype(np.float32)
     ids = np.array([0, 17, n - 1], np.int64)
     results = {}
-    for half in (False, True):
-        folder = tmp_path / str(half)
+    for layout in LAYOUTS:
+        folder = tmp_path / layout.replace(" ", "_")
         folder.mkdir()
-        graph, scales = _head_graph(folder, blocks, k, half)
-        assert scales.bits == (16 if half else 32)
+        graph, head = _head_graph(folder, blocks, k, layout)
+        assert head.bits == {"float32": 32, "half head": 16, "tied": 0}[layout]
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                         helper.make_opsetid("com.microsoft", 1)])
         model.ir_version = 10
@@ -77,13 +85,14 @@ def test_half_scales_compute_what_float32_ones_do(tmp_path, form):
         options.intra_op_num_threads = 1
         options.optimized_model_filepath = str(folder / "optimized.onnx")
         session = ort.InferenceSession(str(folder / "g.onnx"), options, providers=["CPUExecutionProvider"])
-        results[half] = [session.run(None, {"x": x[:rows], "ids": ids}) for rows in (1, 2, 5)]
+        results[layout] = [session.run(None, {"x": x[:rows], "ids": ids}) for rows in (1, 2, 5)]
         folded = onnx.load(str(folder / "optimized.onnx"), load_external_data=False)
-        assert not any(node.op_type == "Cast" for node in folded.graph.node)  # widened once, at load
-    for plain, widened in zip(results[False], results[True]):
-        for a, b in zip(plain, widened):
-            assert np.array_equal(a, b)
-    lookup = results[True][0][1].reshape(len(ids), k)
+        assert not any(node.op_type in ("Cast", "Reshape") for node in folded.graph.node)  # done once, at load
+    for layout in LAYOUTS[1:]:
+        for plain, other in zip(results["float32"], results[layout]):
+            for a, b in zip(plain, other):
+                assert np.array_equal(a, b), layout
+    lookup = results["tied"][0][1].reshape(len(ids), k)
     np.testing.assert_array_equal(lookup, blocks.dequantize()[ids])  # the lookup stays exact
 
 
@@ -134,9 +143,12 @@ def test_read_scales_follows_the_cast_and_the_reshape(tmp_path):
     from onnx import helper
 
     blocks = quantize(_weight(7, (40, 64)), TensorQuant(8, 32, True))
-    graph, scales = _head_graph(tmp_path, blocks, 64, half=True)
-    np.testing.assert_array_equal(read_scales(graph, scales.name, tmp_path), blocks.scales)
-    np.testing.assert_array_equal(read_scales(graph, "lookup_scales", tmp_path), blocks.scales[..., None])
+    for layout in ("half head", "tied"):
+        folder = tmp_path / layout.replace(" ", "_")
+        folder.mkdir()
+        graph, head = _head_graph(folder, blocks, 64, layout)
+        np.testing.assert_array_equal(read_scales(graph, head.name, folder), blocks.scales)
+        np.testing.assert_array_equal(read_scales(graph, "lookup_scales", folder), blocks.scales[..., None])
     graph.node.append(helper.make_node("Relu", ["x"], ["odd"]))
     with pytest.raises(ValueError, match="'odd' are neither an initializer nor a Cast or Reshape"):
-        read_scales(graph, "odd", tmp_path)
+        read_scales(graph, "odd", folder)
