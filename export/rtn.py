@@ -142,7 +142,8 @@ def quantize_streaming(src: Path, dst: Path, *, bits: int, block_size: int, symm
     weight name -> [K] activation importance (export/importance.py) for the plan's ``weighted`` forms; a
     weighted form without one is searched unweighted (and recorded so). ``chosen`` (if
     given) receives weight name -> (form, element count, the weight whose integers it reads or "", bits stored
-    per scale: 16 or 32, export/scales.py); ``progress(done, total)`` (if given) is told after each weight quantized.
+    per scale: 16, 32 or 0, export/scales.py); ``progress(done, total)`` (if given) is told after each weight
+    quantized.
     """
     chosen = {} if chosen is None else chosen
     if plan is not None:
@@ -307,8 +308,8 @@ class _TiedTable:
     of [*ids, K/block, block] rows to [*ids, K]. MatMulNBits wants the scales [vocab, K/block] and
     GatherBlockQuantized [vocab, K/block, 1], and ONNX Runtime refuses either in the other's shape: the scales
     are stored once, float32 in the lookup's shape, and reshaped for the head (folded at load,
-    export/scales.py); the 8-bit zero points are written twice.
-    The same layout as a GGUF's tied head (export/gguf_import.py).
+    export/scales.py); the 8-bit zero points are written twice. The integers are laid out as a GGUF's tied
+    head's are (export/gguf_import.py).
     """
 
     def __init__(self, table, form: "TensorQuant", id_rank: int, src_dir: Path, out: DataFile, new_inits: dict):
