@@ -163,6 +163,10 @@ def add_head_screen(graph_path: Path, vocab: int, rows: int = SCREEN_ROWS,
     graph.node.remove(head)
     for offset, node in enumerate(nodes):
         graph.node.insert(at + offset, node)
+    # the head's scales were read above; the Cast or Reshape that made them for it alone goes too
+    maker = next((n for n in graph.node if head.input[2] in n.output and n.op_type in ("Cast", "Reshape")), None)
+    if maker is not None and not any(head.input[2] in n.input for n in graph.node):
+        graph.node.remove(maker)
     used = {i for n in graph.node for i in n.input}
     kept = [tensor for tensor in graph.initializer if tensor.name in used]
     del graph.initializer[:]

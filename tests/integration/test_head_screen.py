@@ -59,6 +59,10 @@ def test_export_screens_the_int8_head(screened, unscreened, role):
     assert [_bits(n) for n in heads] == [4]  # the int8 head is read only through the rescoring gather
     ops = {n.op_type for n in _ops(screened / role / "model.onnx")}
     assert {"TopK", "ScatterElements"} <= ops
+    # the int8 head's own float16 scales went with it: no Cast is left making what nothing reads
+    nodes = _ops(screened / role / "model.onnx")
+    read = {i for n in nodes for i in n.input}
+    assert all(n.output[0] in read for n in nodes if n.op_type == "Cast")
     plain = _ops(unscreened / role / "model.onnx")
     assert not {"TopK", "ScatterElements"} & {n.op_type for n in plain}
     assert [_bits(n) for n in plain if n.op_type == "MatMulNBits" and any(
